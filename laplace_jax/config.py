@@ -1,0 +1,221 @@
+"""Model configuration: one frozen dataclass, presets, validation, JSON and overrides.
+
+The fields are those of DESIGN.md section 2. `LaplaceConfig` describes the model only;
+optimizer and training settings live with the optimizer and the trainer, so that an exported
+`config.json` carries exactly what is needed to rebuild the network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration is malformed; the message names the offending field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaplaceConfig:
+    vocab_size: int = 50_304  # GPT-2's 50,257 padded to a multiple of 64 (matmul-friendly)
+    d_model: int = 3_072  # D, the residual stream width; must equal n_heads * d_v
+    n_layers: int = 24  # L decoder layers
+    n_heads: int = 16  # H GLA heads
+    d_k: int = 96  # query/key width per head (half of d_v in Laplace)
+    d_v: int = 192  # value and gate width per head
+    conv_width: int = 4  # depth-wise causal convolution width
+    ffn_dim: int = 8_192  # F, inner width of the GLU channel mixer
+    t_min: float = 1.0  # shortest decay half-life in tokens (head 0: lambda = 0.5)
+    t_max: float = 2_048.0  # longest decay half-life in tokens (last head)
+    n_tiers: int = 4  # contiguous groups of heads sharing one head-RMSNorm scale
+    seq_len: int = 2_048  # training context length
+    chunk_size: int = 128  # GLA chunk length: 16 chunks at seq_len 2,048
+    norm_eps: float = 1e-5  # epsilon of the LayerNorms and of the head RMSNorm
+    init_std: float = 0.02  # std of the embedding and LM head at initialisation
+    compute_dtype: str = "float32"  # activations/matmuls; parameters are always fp32
+
+    def __post_init__(self):
+        validate(self)
+
+    # ---- derived sizes --------------------------------------------------------------------
+    @property
+    def qkvg_dim(self) -> int:
+        """Output width of the fused W_qkvg: H (2 d_k + 2 d_v) (9,216 for 3B)."""
+        return self.n_heads * (2 * self.d_k + 2 * self.d_v)
+
+    @property
+    def heads_per_tier(self) -> int:
+        return self.n_heads // self.n_tiers
+
+    @property
+    def n_chunks(self) -> int:
+        return self.seq_len // self.chunk_size
+
+    # ---- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LaplaceConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
+        return cls(**{k: _coerce(k, v) for k, v in d.items()})
+
+    @classmethod
+    def from_json(cls, text: str) -> LaplaceConfig:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config is not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise ConfigError("config JSON must be an object of field: value")
+        return cls.from_dict(d)
+
+    def replace(self, **changes) -> LaplaceConfig:
+        return self.from_dict({**self.to_dict(), **changes})
+
+    def with_overrides(self, overrides: list[str]) -> LaplaceConfig:
+        """Apply `key=value` strings; unknown keys and values of the wrong type are errors."""
+        return self.replace(**parse_overrides(overrides, type(self)))
+
+
+# ---- presets --------------------------------------------------------------------------------
+
+PRESETS: dict[str, LaplaceConfig] = {
+    # Laplace 3B exactly as in DESIGN.md section 2.
+    "laplace-3b": LaplaceConfig(),
+    # ~13M parameters, same structure: trains visibly on a 2-core CPU in minutes.
+    "small": LaplaceConfig(
+        vocab_size=8_192,
+        d_model=384,
+        n_layers=4,
+        n_heads=6,
+        d_k=32,
+        d_v=64,
+        ffn_dim=1_024,
+        t_max=512.0,
+        n_tiers=3,
+        seq_len=512,
+        chunk_size=64,
+    ),
+    # For unit tests: compiles in seconds.
+    "tiny": LaplaceConfig(
+        vocab_size=256,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        d_k=8,
+        d_v=16,
+        ffn_dim=128,
+        t_max=64.0,
+        n_tiers=2,
+        seq_len=64,
+        chunk_size=16,
+    ),
+}
+
+
+def get_config(name_or_path: str, overrides: list[str] | None = None) -> LaplaceConfig:
+    """A preset name or a JSON file, then `key=value` overrides."""
+    if name_or_path in PRESETS:
+        cfg = PRESETS[name_or_path]
+    elif name_or_path.endswith(".json") or Path(name_or_path).is_file():
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            cfg = LaplaceConfig.from_json(path.read_text())
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from e
+    else:
+        raise ConfigError(
+            f"unknown config {name_or_path!r}: not a preset ({', '.join(PRESETS)}) nor a JSON file"
+        )
+    return cfg.with_overrides(overrides or [])
+
+
+# ---- validation and parsing ------------------------------------------------------------------
+
+
+def validate(cfg: LaplaceConfig) -> None:
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        expected = _FIELD_TYPES[f.name]
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        if not isinstance(value, expected) or isinstance(value, bool):
+            raise ConfigError(f"{f.name} must be {expected.__name__}, got {value!r}")
+        if expected in (int, float) and not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"{f.name} must be positive, got {value!r}")
+    if cfg.d_model != cfg.n_heads * cfg.d_v:
+        raise ConfigError(
+            f"d_model ({cfg.d_model}) must equal n_heads * d_v ({cfg.n_heads} * {cfg.d_v})"
+        )
+    if cfg.n_heads % cfg.n_tiers:
+        raise ConfigError(f"n_heads ({cfg.n_heads}) must be divisible by n_tiers ({cfg.n_tiers})")
+    if cfg.vocab_size % 64:
+        raise ConfigError(f"vocab_size ({cfg.vocab_size}) must be a multiple of 64")
+    if cfg.seq_len % cfg.chunk_size:
+        raise ConfigError(
+            f"chunk_size ({cfg.chunk_size}) must divide seq_len ({cfg.seq_len})"
+        )
+    if cfg.t_min > cfg.t_max:
+        raise ConfigError(f"t_min ({cfg.t_min}) must not exceed t_max ({cfg.t_max})")
+    if cfg.compute_dtype not in DTYPES:
+        raise ConfigError(f"compute_dtype must be one of {DTYPES}, got {cfg.compute_dtype!r}")
+
+
+_FIELD_TYPES = {
+    f.name: {"int": int, "float": float, "str": str}[f.type]
+    for f in dataclasses.fields(LaplaceConfig)
+}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """JSON gives 2048.0 or 2048 for floats alike; accept ints for float fields only."""
+    if _FIELD_TYPES[name] is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def parse_overrides(overrides: list[str], cls: type = LaplaceConfig) -> dict[str, Any]:
+    """`["d_model=512", "compute_dtype=bfloat16"]` -> typed dict; rejects unknown keys."""
+    types = {
+        f.name: {"int": int, "float": float, "str": str, "bool": bool}.get(f.type, str)
+        for f in dataclasses.fields(cls)
+    }
+    out: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip().lstrip("-")
+        if not sep:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        if key not in types:
+            raise ConfigError(f"unknown config key {key!r} (known: {', '.join(sorted(types))})")
+        out[key] = _parse_value(key, raw.strip(), types[key])
+    return out
+
+
+def _parse_value(key: str, raw: str, typ: type) -> Any:
+    try:
+        if typ is bool:
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return raw.lower() in ("true", "1")
+        if typ is int:
+            return int(raw.replace("_", ""))
+        if typ is float:
+            return float(raw.replace("_", ""))
+        return raw
+    except ValueError:
+        raise ConfigError(f"{key} expects {typ.__name__}, got {raw!r}") from None
