@@ -89,6 +89,81 @@ class LaplaceConfig:
         return self.replace(**parse_overrides(overrides, type(self)))
 
 
+# ---- validation and parsing ------------------------------------------------------------------
+
+
+def validate(cfg: LaplaceConfig) -> None:
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        expected = _FIELD_TYPES[f.name]
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        if not isinstance(value, expected) or isinstance(value, bool):
+            raise ConfigError(f"{f.name} must be {expected.__name__}, got {value!r}")
+        if expected in (int, float) and not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"{f.name} must be positive, got {value!r}")
+    if cfg.d_model != cfg.n_heads * cfg.d_v:
+        raise ConfigError(
+            f"d_model ({cfg.d_model}) must equal n_heads * d_v ({cfg.n_heads} * {cfg.d_v})"
+        )
+    if cfg.n_heads % cfg.n_tiers:
+        raise ConfigError(f"n_heads ({cfg.n_heads}) must be divisible by n_tiers ({cfg.n_tiers})")
+    if cfg.vocab_size % 64:
+        raise ConfigError(f"vocab_size ({cfg.vocab_size}) must be a multiple of 64")
+    if cfg.seq_len % cfg.chunk_size:
+        raise ConfigError(f"chunk_size ({cfg.chunk_size}) must divide seq_len ({cfg.seq_len})")
+    if cfg.t_min > cfg.t_max:
+        raise ConfigError(f"t_min ({cfg.t_min}) must not exceed t_max ({cfg.t_max})")
+    if cfg.compute_dtype not in DTYPES:
+        raise ConfigError(f"compute_dtype must be one of {DTYPES}, got {cfg.compute_dtype!r}")
+
+
+_FIELD_TYPES = {
+    f.name: {"int": int, "float": float, "str": str}[f.type]
+    for f in dataclasses.fields(LaplaceConfig)
+}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """JSON gives 2048.0 or 2048 for floats alike; accept ints for float fields only."""
+    if _FIELD_TYPES[name] is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def parse_overrides(overrides: list[str], cls: type = LaplaceConfig) -> dict[str, Any]:
+    """`["d_model=512", "compute_dtype=bfloat16"]` -> typed dict; rejects unknown keys."""
+    types = {
+        f.name: {"int": int, "float": float, "str": str, "bool": bool}.get(f.type, str)
+        for f in dataclasses.fields(cls)
+    }
+    out: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip().lstrip("-")
+        if not sep:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        if key not in types:
+            raise ConfigError(f"unknown config key {key!r} (known: {', '.join(sorted(types))})")
+        out[key] = _parse_value(key, raw.strip(), types[key])
+    return out
+
+
+def _parse_value(key: str, raw: str, typ: type) -> Any:
+    try:
+        if typ is bool:
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return raw.lower() in ("true", "1")
+        if typ is int:
+            return int(raw.replace("_", ""))
+        if typ is float:
+            return float(raw.replace("_", ""))
+        return raw
+    except ValueError:
+        raise ConfigError(f"{key} expects {typ.__name__}, got {raw!r}") from None
+
+
 # ---- presets --------------------------------------------------------------------------------
 
 PRESETS: dict[str, LaplaceConfig] = {
@@ -142,80 +217,3 @@ def get_config(name_or_path: str, overrides: list[str] | None = None) -> Laplace
             f"unknown config {name_or_path!r}: not a preset ({', '.join(PRESETS)}) nor a JSON file"
         )
     return cfg.with_overrides(overrides or [])
-
-
-# ---- validation and parsing ------------------------------------------------------------------
-
-
-def validate(cfg: LaplaceConfig) -> None:
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        expected = _FIELD_TYPES[f.name]
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            continue
-        if not isinstance(value, expected) or isinstance(value, bool):
-            raise ConfigError(f"{f.name} must be {expected.__name__}, got {value!r}")
-        if expected in (int, float) and not (value > 0 and math.isfinite(value)):
-            raise ConfigError(f"{f.name} must be positive, got {value!r}")
-    if cfg.d_model != cfg.n_heads * cfg.d_v:
-        raise ConfigError(
-            f"d_model ({cfg.d_model}) must equal n_heads * d_v ({cfg.n_heads} * {cfg.d_v})"
-        )
-    if cfg.n_heads % cfg.n_tiers:
-        raise ConfigError(f"n_heads ({cfg.n_heads}) must be divisible by n_tiers ({cfg.n_tiers})")
-    if cfg.vocab_size % 64:
-        raise ConfigError(f"vocab_size ({cfg.vocab_size}) must be a multiple of 64")
-    if cfg.seq_len % cfg.chunk_size:
-        raise ConfigError(
-            f"chunk_size ({cfg.chunk_size}) must divide seq_len ({cfg.seq_len})"
-        )
-    if cfg.t_min > cfg.t_max:
-        raise ConfigError(f"t_min ({cfg.t_min}) must not exceed t_max ({cfg.t_max})")
-    if cfg.compute_dtype not in DTYPES:
-        raise ConfigError(f"compute_dtype must be one of {DTYPES}, got {cfg.compute_dtype!r}")
-
-
-_FIELD_TYPES = {
-    f.name: {"int": int, "float": float, "str": str}[f.type]
-    for f in dataclasses.fields(LaplaceConfig)
-}
-
-
-def _coerce(name: str, value: Any) -> Any:
-    """JSON gives 2048.0 or 2048 for floats alike; accept ints for float fields only."""
-    if _FIELD_TYPES[name] is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    return value
-
-
-def parse_overrides(overrides: list[str], cls: type = LaplaceConfig) -> dict[str, Any]:
-    """`["d_model=512", "compute_dtype=bfloat16"]` -> typed dict; rejects unknown keys."""
-    types = {
-        f.name: {"int": int, "float": float, "str": str, "bool": bool}.get(f.type, str)
-        for f in dataclasses.fields(cls)
-    }
-    out: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip().lstrip("-")
-        if not sep:
-            raise ConfigError(f"override {item!r} is not of the form key=value")
-        if key not in types:
-            raise ConfigError(f"unknown config key {key!r} (known: {', '.join(sorted(types))})")
-        out[key] = _parse_value(key, raw.strip(), types[key])
-    return out
-
-
-def _parse_value(key: str, raw: str, typ: type) -> Any:
-    try:
-        if typ is bool:
-            if raw.lower() not in ("true", "false", "1", "0"):
-                raise ValueError
-            return raw.lower() in ("true", "1")
-        if typ is int:
-            return int(raw.replace("_", ""))
-        if typ is float:
-            return float(raw.replace("_", ""))
-        return raw
-    except ValueError:
-        raise ConfigError(f"{key} expects {typ.__name__}, got {raw!r}") from None

@@ -1,0 +1,131 @@
+"""Simple Gated Linear Attention (fixed per-head decay): three forms of one function.
+
+Layout and conventions follow flash-linear-attention's `simple_gla` ops, so the results can be
+checked against its naive PyTorch references:
+
+    q, k: [B, T, H, K]    v: [B, T, H, V]    log_decay: [H] (natural log of lambda_h, <= 0)
+    state S: [B, H, K, V] in fp32
+
+    S_t = exp(log_decay) * S_{t-1} + k_t v_t^T
+    o_t = (scale * q_t)^T S_t            scale defaults to K ** -0.5
+
+- `gla_recurrent`: the definition, one token at a time (the reference).
+- `gla_chunked`: the chunked form of DESIGN.md section 3, a `lax.scan` over chunks (training, prefill).
+- `gla_step`: one token (decoding).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+f32 = jnp.float32
+
+
+def _scale(q: jax.Array, scale: float | None) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else scale
+
+
+def _zero_state(q: jax.Array, v: jax.Array) -> jax.Array:
+    B, H, K, V = q.shape[0], q.shape[-2], q.shape[-1], v.shape[-1]
+    return jnp.zeros((B, H, K, V), f32)
+
+
+# ---- the definition -----------------------------------------------------------------------
+
+
+def gla_step(q, k, v, log_decay, state, *, scale=None):
+    """One token. q, k: [B, H, K]; v: [B, H, V]; state: [B, H, K, V] -> (o [B, H, V], state)."""
+    lam = jnp.exp(log_decay.astype(f32))[None, :, None, None]  # [1, H, 1, 1]
+    kv = jnp.einsum("bhk,bhv->bhkv", k.astype(f32), v.astype(f32))  # k_t v_t^T
+    state = lam * state.astype(f32) + kv  # S_t = lambda S_{t-1} + k_t v_t^T
+    o = jnp.einsum("bhk,bhkv->bhv", _scale(q, scale) * q.astype(f32), state)  # (scale q_t)^T S_t
+    return o.astype(v.dtype), state
+
+
+def gla_recurrent(q, k, v, log_decay, *, scale=None, initial_state=None):
+    """The reference: `gla_step` scanned over T. Returns (o [B, T, H, V], final state)."""
+    state = _zero_state(q, v) if initial_state is None else initial_state.astype(f32)
+
+    def step(state, qkv_t):
+        o_t, state = gla_step(*qkv_t, log_decay, state, scale=scale)
+        return state, o_t
+
+    # scan over time: move T to the front, [T, B, H, *]
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v))
+    state, o = jax.lax.scan(step, state, xs)
+    return jnp.moveaxis(o, 0, 1), state
+
+
+# ---- the chunked form (DESIGN.md section 3) -----------------------------------------------
+
+
+def gla_chunked(
+    q, k, v, log_decay, *, chunk_size=128, scale=None, initial_state=None, unroll=False
+):
+    """Chunked GLA: intra-chunk products batched over all chunks, a `lax.scan` carries the state.
+
+    Any T: the input is zero-padded to a multiple of `chunk_size`, and the state carry of the last
+    chunk only counts its valid tokens, so the final state is exactly S_T. `unroll=True` unrolls
+    the scan statically (the Neuron compiler needs the whole backward graph at trace time).
+    Returns (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    N = -(-T // C)  # number of chunks
+    pad = N * C - T
+    scale = _scale(q, scale)
+    state0 = _zero_state(q, v) if initial_state is None else initial_state.astype(f32)
+    gamma = log_decay.astype(f32)[:, None, None]  # [H, 1, 1], gamma = ln(lambda) <= 0
+
+    def to_chunks(x):  # [B, T, H, X] -> [B, H, N, C, X]
+        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        return x.reshape(B, N, C, H, x.shape[-1]).transpose(0, 3, 1, 2, 4)
+
+    qc, kc, vc = to_chunks(q), to_chunks(k), to_chunks(v)
+    i = jnp.arange(C, dtype=f32)[:, None]  # local query position
+    j = jnp.arange(C, dtype=f32)[None, :]  # local key position
+
+    # Intra-chunk: O_c = scale ((Q_c K_c^T) * M) V_c, M_ij = lambda^(i-j) for i >= j.
+    # exp(gamma (i - j)) is evaluated on the lower triangle only: never lambda^(-j).
+    causal = i >= j  # [C, C]
+    M = jnp.where(causal, jnp.exp(gamma * jnp.where(causal, i - j, 0.0)), 0.0)  # [H, C, C]
+    A = jnp.einsum("bhnik,bhnjk->bhnij", qc, kc, preferred_element_type=f32)  # [B,H,N,C,C]
+    A = scale * A * M[None, :, None]
+    o_intra = jnp.einsum("bhnij,bhnjv->bhniv", A.astype(v.dtype), vc, preferred_element_type=f32)
+
+    # State carry: S_c = lambda^(L_c) S_{c-1} + (K_c * lambda^(L_c-1-j))^T V_c, where L_c = C
+    # except for a padded last chunk (its padded keys are zero and get no decay weight).
+    valid = jnp.full((N,), C, f32).at[-1].set(C - pad)  # L_c, valid tokens per chunk
+    L = valid[:, None]  # [N, 1]
+    key_live = j[0][None, :] < L  # [N, C]
+    k_decay = jnp.where(
+        key_live, jnp.exp(gamma[..., 0][:, None] * jnp.where(key_live, L - 1 - j[0], 0.0)), 0.0
+    )  # [H, N, C], lambda^(L_c - 1 - j)
+    kv = jnp.einsum(
+        "bhnjk,bhnjv->nbhkv",
+        kc * k_decay[None, ..., None].astype(kc.dtype),
+        vc,
+        preferred_element_type=f32,
+    )  # [N, B, H, K, V], each chunk's contribution to the state
+    chunk_decay = jnp.exp(gamma[None, :, 0, 0] * valid[:, None])  # [N, H], lambda^(L_c)
+
+    def carry(state, xs):  # state: S_{c-1} [B, H, K, V]
+        kv_c, decay_c = xs
+        new_state = decay_c[None, :, None, None] * state + kv_c
+        return new_state, state  # emit S_{c-1}, the state the chunk's queries read
+
+    final_state, prev_states = jax.lax.scan(
+        carry, state0, (kv, chunk_decay), unroll=N if unroll else 1
+    )  # prev_states: [N, B, H, K, V]
+
+    # Inter-chunk: O_c += scale (Q_c * lambda^(i+1)) S_{c-1}
+    q_decay = jnp.exp(gamma[:, 0, 0][:, None] * (i[:, 0] + 1.0)[None, :])  # [H, C]
+    o_inter = jnp.einsum(
+        "bhnik,nbhkv->bhniv",
+        (scale * qc.astype(f32)) * q_decay[None, :, None, :, None],
+        prev_states,
+    )
+    o = (o_intra + o_inter).transpose(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
+    return o.astype(v.dtype), final_state

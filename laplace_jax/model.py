@@ -1,0 +1,280 @@
+"""The Laplace decoder (DESIGN.md section 2) as a functional Flax model.
+
+Parameters live in a plain dict (paths in docs/parameters.md); every parameter carries logical
+axis names, so sharding is a rules table (`laplace_jax/sharding.py`), not model code.
+
+    model = LaplaceLM(config)
+    params = init_params(config, rng)
+    logits, state = model.apply({"params": params}, tokens)              # [B, T] -> [B, T, V]
+    logits, state = model.apply({"params": params}, tokens, state)       # prefill from a state
+    logits, state = model.apply({"params": params}, token, state,
+                                method=LaplaceLM.decode_step)           # [B] -> [B, V]
+
+The recurrent state is a dict {"layer_{i}": {"gla": [B, H, dk, dv], "conv": [B, W, D]}} in fp32:
+the GLA matrices and the last W inputs of the causal convolution (see `init_state`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from laplace_jax.config import LaplaceConfig
+from laplace_jax.gla import gla_chunked, gla_step
+
+f32 = jnp.float32
+
+# The 2-D weight matrices that Muon orthogonalises, by module name inside a decoder layer.
+# The embedding and the LM head are 2-D too but go to AdamW.
+MUON_MATRICES = ("qkvg", "out", "w12", "w3")
+
+
+def is_muon_path(path: str) -> bool:
+    """`layer_3/w12/kernel` -> True; `embed/embedding`, `lm_head/kernel` -> False."""
+    parts = path.split("/")
+    return (
+        len(parts) == 3
+        and parts[0].startswith("layer_")
+        and parts[1] in MUON_MATRICES
+        and parts[2] == "kernel"
+    )
+
+
+def log_decay_schedule(config: LaplaceConfig) -> np.ndarray:
+    """gamma_h = ln(lambda_h) = -ln 2 / T_h, T_h = T_min (T_max / T_min) ** (h / (H - 1)).  [H]"""
+    H = config.n_heads
+    h = np.arange(H, dtype=np.float64)
+    half_life = config.t_min * (config.t_max / config.t_min) ** (h / max(H - 1, 1))
+    return (-math.log(2.0) / half_life).astype(np.float32)
+
+
+def _param(module, name, init, shape, axes):
+    """A float32 parameter tagged with its logical axes."""
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, f32)
+
+
+def _normal(std):
+    return nn.initializers.normal(stddev=std)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with a learned scale and no bias."""
+
+    eps: float
+
+    @nn.compact
+    def __call__(self, x):  # x: [..., D]
+        scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), ("norm",))
+        x32 = x.astype(f32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        return ((x32 - mean) * jax.lax.rsqrt(var + self.eps) * scale).astype(x.dtype)
+
+
+class Dense(nn.Module):
+    """y = x @ kernel, kernel stored (in, out) with logical axes; no bias."""
+
+    features: int
+    axes: tuple[str, str]
+    std: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = _param(self, "kernel", _normal(self.std), (x.shape[-1], self.features), self.axes)
+        return jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))
+
+
+class CausalConv(nn.Module):
+    """Depth-wise causal convolution + SiLU: u_t = SiLU(b + sum_j w[:, j] h_{t-W+1+j})."""
+
+    width: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, h, window):
+        # h: [B, T, D] new inputs; window: [B, W, D] the last W inputs before them (fp32).
+        D, W = h.shape[-1], self.width
+        w = _param(self, "kernel", _normal(W**-0.5), (D, W), ("embed", "conv"))  # [D, W]
+        b = _param(self, "bias", nn.initializers.zeros, (D,), ("norm",))  # [D]
+        seq = jnp.concatenate([window.astype(h.dtype), h], axis=1)  # [B, W + T, D]
+        T = h.shape[1]
+        # output t (0-based among the new tokens) sees seq[t + 1 .. t + W]
+        u = b.astype(self.dtype) + sum(
+            w[:, j].astype(self.dtype) * seq[:, 1 + j : 1 + j + T] for j in range(W)
+        )  # [B, T, D]
+        new_window = seq[:, -W:].astype(f32)  # the last W inputs
+        return nn.silu(u), new_window
+
+
+class HeadRMSNorm(nn.Module):
+    """RMS-normalise each head's output; scale by its tier's learned vector gamma_tier."""
+
+    n_tiers: int
+    eps: float
+
+    @nn.compact
+    def __call__(self, o):  # o: [B, T, H, dv]
+        H, dv = o.shape[-2:]
+        gamma = _param(self, "scale", nn.initializers.ones, (self.n_tiers, dv), ("tiers", "head_v"))
+        o = o * jax.lax.rsqrt(jnp.mean(jnp.square(o), -1, keepdims=True) + self.eps)
+        return o * jnp.repeat(gamma, H // self.n_tiers, axis=0)  # tiers of contiguous heads
+
+
+class DecoderLayer(nn.Module):
+    """One Laplace layer; the numbered steps are those of DESIGN.md section 2."""
+
+    config: LaplaceConfig
+    unroll: bool = False  # static unroll of the chunk scan (Neuron)
+
+    @nn.compact
+    def __call__(self, x, state, decode: bool = False):
+        # x: [B, T, D]; state: {"gla": [B, H, dk, dv], "conv": [B, W, D]}; decode: T == 1 step
+        cfg = self.config
+        B, T, D = x.shape
+        H, dk, dv, F = cfg.n_heads, cfg.d_k, cfg.d_v, cfg.ffn_dim
+        dtype = jnp.dtype(cfg.compute_dtype)
+        out_scale = 1.0 / math.sqrt(2 * cfg.n_layers)  # residual projections start small
+
+        # 1-2. h = LayerNorm_1(x); u = SiLU(causal depth-wise conv(h))
+        h = LayerNorm(cfg.norm_eps, name="ln_1")(x)
+        u, conv_window = CausalConv(cfg.conv_width, dtype, name="conv")(h, state["conv"])
+
+        # 3. [q, k, v, g] = u W_qkvg^T
+        qkvg = Dense(cfg.qkvg_dim, ("embed", "qkvg"), D**-0.5, dtype, name="qkvg")(u)
+        q, k, v, g = jnp.split(qkvg, np.cumsum([H * dk, H * dk, H * dv]), axis=-1)
+        q = q.reshape(B, T, H, dk)
+        k = k.reshape(B, T, H, dk)
+        v = v.reshape(B, T, H, dv)  # g stays [B, T, H * dv]
+
+        # 4. GLA with the fixed decay schedule (not a parameter)
+        log_decay = jnp.asarray(log_decay_schedule(cfg))  # [H]
+        if decode:  # the O(1) recurrent step
+            o, gla_state = gla_step(q[:, 0], k[:, 0], v[:, 0], log_decay, state["gla"])
+            o = o[:, None]  # [B, 1, H, dv]
+        else:
+            o, gla_state = gla_chunked(
+                q,
+                k,
+                v,
+                log_decay,
+                chunk_size=cfg.chunk_size,
+                initial_state=state["gla"],
+                unroll=self.unroll,
+            )  # [B, T, H, dv]
+
+        # 5. self-augmentation: o_t += sigmoid(sum_i q_i a_i k_i) v_t (a = 0: half-strength skip)
+        a = _param(self, "aug_balance", nn.initializers.zeros, (H, dk), ("heads", "head_k"))
+        aug = jax.nn.sigmoid(jnp.sum(q.astype(f32) * a * k.astype(f32), -1, keepdims=True))
+        o = o.astype(f32) + aug * v.astype(f32)  # [B, T, H, dv]
+
+        # 6. head RMSNorm per tier; 7. gate with SiLU(g), project back, residual
+        o = HeadRMSNorm(cfg.n_tiers, cfg.norm_eps, name="head_norm")(o)
+        y = o.reshape(B, T, H * dv).astype(dtype) * nn.silu(g)
+        y = Dense(D, ("attn", "embed"), (H * dv) ** -0.5 * out_scale, dtype, name="out")(y)
+        x = x + y.astype(x.dtype)
+
+        # 8. channel mixer: x += W_3 (SiLU(W_1 h2) * (W_2 h2)), W_1 and W_2 fused as W_12
+        h2 = LayerNorm(cfg.norm_eps, name="ln_2")(x)
+        gate, up = jnp.split(Dense(2 * F, ("embed", "mlp"), D**-0.5, dtype, name="w12")(h2), 2, -1)
+        y = Dense(D, ("mlp", "embed"), F**-0.5 * out_scale, dtype, name="w3")(nn.silu(gate) * up)
+        x = x + y.astype(x.dtype)
+        return x, {"gla": gla_state, "conv": conv_window}
+
+
+class LaplaceLM(nn.Module):
+    """Embedding -> n_layers decoder layers -> LayerNorm_f -> untied LM head."""
+
+    config: LaplaceConfig
+    unroll: bool = False
+
+    def setup(self):
+        cfg = self.config
+        self.embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            param_dtype=f32,
+            embedding_init=nn.with_logical_partitioning(_normal(cfg.init_std), ("vocab", "embed")),
+        )
+        self.layers = [
+            DecoderLayer(cfg, self.unroll, name=f"layer_{i}") for i in range(cfg.n_layers)
+        ]
+        self.ln_f = LayerNorm(cfg.norm_eps)
+        self.lm_head = Dense(
+            cfg.vocab_size, ("embed", "vocab"), cfg.init_std, jnp.dtype(cfg.compute_dtype)
+        )
+
+    def _run(self, tokens, state, decode):
+        cfg = self.config
+        if state is None:
+            state = init_state(cfg, tokens.shape[0])
+        x = self.embed(tokens).astype(jnp.dtype(cfg.compute_dtype))  # [B, T, D]
+        new_state = {}
+        for i, layer in enumerate(self.layers):
+            x, new_state[f"layer_{i}"] = layer(x, state[f"layer_{i}"], decode)
+        logits = self.lm_head(self.ln_f(x)).astype(f32)  # [B, T, V]
+        return logits, new_state
+
+    def __call__(self, tokens, state=None):
+        """Full sequence (training) or prefill from `state`. tokens: [B, T] -> ([B, T, V], state)."""
+        return self._run(tokens, state, decode=False)
+
+    def decode_step(self, tokens, state):
+        """One token per sequence. tokens: [B] -> (logits [B, V], state)."""
+        logits, state = self._run(tokens[:, None], state, decode=True)
+        return logits[:, 0], state
+
+
+# ---- parameters and state ----------------------------------------------------------------
+
+
+def init_state(config: LaplaceConfig, batch_size: int) -> dict:
+    """The empty recurrent state of `batch_size` sequences (zeros, fp32)."""
+    B, H, dk, dv = batch_size, config.n_heads, config.d_k, config.d_v
+    return {
+        f"layer_{i}": {
+            "gla": jnp.zeros((B, H, dk, dv), f32),
+            "conv": jnp.zeros((B, config.conv_width, config.d_model), f32),
+        }
+        for i in range(config.n_layers)
+    }
+
+
+def _boxed_init(config: LaplaceConfig, rng):
+    tokens = jnp.zeros((1, config.chunk_size), jnp.int32)
+    return LaplaceLM(config).init(rng, tokens)["params"]
+
+
+def init_params(config: LaplaceConfig, rng) -> dict:
+    """Freshly initialised parameters, a plain dict of fp32 arrays (paths: docs/parameters.md)."""
+    return nn.unbox(_boxed_init(config, rng))
+
+
+def abstract_params(config: LaplaceConfig) -> dict:
+    """Parameter shapes and dtypes (`jax.ShapeDtypeStruct`) without allocating anything."""
+    return nn.unbox(jax.eval_shape(functools.partial(_boxed_init, config), jax.random.key(0)))
+
+
+def param_logical_axes(config: LaplaceConfig) -> dict:
+    """The logical axis names of every parameter: a dict of tuples shaped like the params."""
+    boxed = jax.eval_shape(functools.partial(_boxed_init, config), jax.random.key(0))
+    return jax.tree.map(
+        lambda b: tuple(b.names), boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
+    )
+
+
+def flat_paths(tree: dict, prefix: str = "") -> dict:
+    """{"layer_0/qkvg/kernel": leaf, ...} for a nested dict."""
+    out = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat_paths(value, path + "/"))
+        else:
+            out[path] = value
+    return out
