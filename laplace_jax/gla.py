@@ -10,7 +10,7 @@ checked against its naive PyTorch references:
     o_t = (scale * q_t)^T S_t            scale defaults to K ** -0.5
 
 - `gla_recurrent`: the definition, one token at a time (the reference).
-- `gla_chunked`: the chunked form of DESIGN.md section 3, a `lax.scan` over chunks (training, prefill).
+- `gla_chunked`: DESIGN.md section 3, a `lax.scan` over chunks (training, prefill).
 - `gla_step`: one token (decoding).
 """
 

@@ -221,7 +221,7 @@ class LaplaceLM(nn.Module):
         return logits, new_state
 
     def __call__(self, tokens, state=None):
-        """Full sequence (training) or prefill from `state`. tokens: [B, T] -> ([B, T, V], state)."""
+        """Full sequence or prefill from `state`. tokens: [B, T] -> ([B, T, V], state)."""
         return self._run(tokens, state, decode=False)
 
     def decode_step(self, tokens, state):
