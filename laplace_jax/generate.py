@@ -1,0 +1,46 @@
+"""Greedy generation with the JAX model: chunked prefill, then the O(1) decode step."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from laplace_jax.config import LaplaceConfig
+from laplace_jax.model import LaplaceLM
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill(config, params, tokens):
+    logits, state = LaplaceLM(config).apply({"params": params}, tokens)
+    return jnp.argmax(logits[:, -1], -1), state
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _decode(config, params, token, state):
+    logits, state = LaplaceLM(config).apply(
+        {"params": params}, token, state, method=LaplaceLM.decode_step
+    )
+    return jnp.argmax(logits, -1), state
+
+
+def greedy_generate(
+    params: dict, config: LaplaceConfig, prompt_ids, max_new_tokens: int
+) -> np.ndarray:
+    """prompt_ids: [B, T] (or [T]) ints, all prompts of one length -> new tokens [B, n] (or [n])."""
+    prompt = np.asarray(prompt_ids, np.int32)
+    single = prompt.ndim == 1
+    prompt = prompt[None] if single else prompt
+    if prompt.shape[1] == 0:
+        raise ValueError("greedy_generate needs a prompt of at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    token, state = _prefill(config, params, jnp.asarray(prompt))
+    out = [token]
+    for _ in range(max_new_tokens - 1):
+        token, state = _decode(config, params, token, state)
+        out.append(token)
+    new = np.asarray(jnp.stack(out, axis=1))  # [B, max_new_tokens]
+    return new[0] if single else new

@@ -1,0 +1,38 @@
+"""`python -m laplace_jax.info --config laplace-3b`: parameter and state accounting."""
+
+from __future__ import annotations
+
+import argparse
+
+from laplace_jax.accounting import kv_cache_bytes, parameter_counts, state_bytes_per_sequence
+from laplace_jax.config import get_config
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--config", default="laplace-3b", help="preset name or JSON file")
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = ap.parse_args(argv)
+    cfg = get_config(args.config, args.overrides)
+
+    counts = parameter_counts(cfg)
+    state = state_bytes_per_sequence(cfg)
+    state_short = state_bytes_per_sequence(cfg, conv_window=cfg.conv_width - 1)
+    print(f"config {args.config}")
+    print(f"  Muon matrices        {counts['muon_matrices']:>16,}")
+    print(f"  Muon parameters      {counts['muon_params']:>16,}")
+    print(f"  AdamW parameters     {counts['adamw_params']:>16,}")
+    print(f"  total parameters     {counts['total_params']:>16,}")
+    print("recurrent state per sequence (fp32)")
+    print(f"  GLA matrices         {state['gla']:>16,} bytes")
+    print(f"  conv window ({cfg.conv_width}-wide) {state['conv']:>16,} bytes")
+    print(f"  total                {state['total']:>16,} bytes  (used by this model)")
+    print(f"  total, {cfg.conv_width - 1}-wide window {state_short['total']:>16,} bytes")
+    print("bf16 KV cache of a transformer of the same width and depth")
+    for n in (2_048, 8_192, 32_768):
+        kv = kv_cache_bytes(cfg, n)
+        print(f"  {n:>6,} tokens        {kv:>16,} bytes  {kv / state['total']:7.1f}x the state")
+
+
+if __name__ == "__main__":
+    main()
