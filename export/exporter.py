@@ -1,0 +1,281 @@
+"""Orbax checkpoint -> model folder (config.json, safetensors, tokenizer files).
+
+Folder layout written by `export_model`:
+
+    config.json                    HF style: architectures, model_type "laplace", every
+                                   LaplaceConfig field, torch_dtype, token ids
+    model.safetensors              one file, or above `max_shard_bytes`:
+    model-00001-of-0000N.safetensors + model.safetensors.index.json
+    tokenizer.json, tokenizer_config.json, generation_config.json (copied or written)
+    export_meta.json               where it came from (checkpoint dir, step, dtype)
+
+Only `read_checkpoint` touches orbax/JAX (imported lazily); the rest is numpy, so the checks
+and the writer are testable and reusable without a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from export import names
+
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3  # 2 GiB per safetensors file, as HF writes them
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
+
+
+class ExportError(ValueError):
+    """The checkpoint cannot be exported; the message says what and where."""
+
+
+# ---- reading the checkpoint (the only orbax code; adapt here if the layout changes) ---------
+
+
+def read_checkpoint(checkpoint_dir: str | Path, step: int | None = None):
+    """Read the 'params' item (and the 'meta' item if present) of an orbax checkpoint.
+
+    Returns (params: nested dict of numpy arrays, step: int, meta: dict | None). The optimizer
+    state and the data-iterator state are never read.
+    """
+    import orbax.checkpoint as ocp  # JAX side only
+
+    checkpoint_dir = Path(checkpoint_dir).resolve()
+    if not checkpoint_dir.is_dir():
+        raise ExportError(f"checkpoint directory not found: {checkpoint_dir}")
+    mngr = ocp.CheckpointManager(checkpoint_dir)
+    try:
+        steps = list(mngr.all_steps())
+        if not steps:
+            raise ExportError(f"no checkpoint steps under {checkpoint_dir}")
+        if step is None:
+            step = max(steps)
+        elif step not in steps:
+            raise ExportError(f"step {step} not in {checkpoint_dir} (steps: {sorted(steps)})")
+        step_dir = checkpoint_dir / str(step)
+        if not (step_dir / "params").exists():
+            items = sorted(p.name for p in step_dir.iterdir() if not p.name.startswith("_"))
+            raise ExportError(
+                f"checkpoint {step_dir} has no 'params' item (items: {', '.join(items)})"
+            )
+        restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))
+        params = _to_numpy(restored["params"])
+        meta = None
+        if (step_dir / "meta").exists():
+            meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    finally:
+        mngr.close()
+    return params, step, meta
+
+
+def _to_numpy(tree):
+    if isinstance(tree, Mapping):
+        return {str(k): _to_numpy(v) for k, v in tree.items()}
+    return np.asarray(tree)
+
+
+# ---- checks and conversion (numpy only) -------------------------------------------------------
+
+
+def flatten(tree: Mapping, prefix: str = "") -> dict[str, np.ndarray]:
+    """Nested params dict -> {'layer_0/qkvg/kernel': array}."""
+    flat = {}
+    for k, v in tree.items():
+        path = f"{prefix}/{k}" if prefix else str(k)
+        if isinstance(v, Mapping):
+            flat.update(flatten(v, path))
+        else:
+            flat[path] = np.asarray(v)
+    return flat
+
+
+def check_params(cfg: Any, flat: Mapping[str, np.ndarray]) -> None:
+    """Every JAX parameter the table expects, with its shape, and nothing else."""
+    expected = {e.jax_path: e for e in names.table(cfg)}
+    problems = []
+    for path, e in expected.items():
+        if path not in flat:
+            problems.append(f"missing parameter {path} (-> {e.name}, shape {list(e.jax_shape)})")
+        elif tuple(flat[path].shape) != e.jax_shape:
+            problems.append(
+                f"parameter {path} has shape {list(flat[path].shape)}, "
+                f"expected {list(e.jax_shape)}"
+            )
+    for path in flat:
+        if path not in expected:
+            problems.append(f"unexpected parameter {path} (shape {list(flat[path].shape)})")
+    if problems:
+        raise ExportError("checkpoint parameters do not match the config: " + "; ".join(problems))
+
+
+def convert(cfg: Any, params: Mapping, dtype: str = "fp32") -> dict[str, np.ndarray]:
+    """Flax params (nested or flat) -> {exported name: array in exported layout and dtype}."""
+    flat = flatten(params)  # flat `/` paths pass through unchanged
+    check_params(cfg, flat)
+    np_dtype = _np_dtype(dtype)
+    out = {}
+    for e in names.table(cfg):
+        x = e.to_exported(np.asarray(flat[e.jax_path], dtype=np.float32))
+        out[e.name] = np.ascontiguousarray(x.astype(np_dtype))
+    names.check_tensors(cfg, {k: v.shape for k, v in out.items()}, side="export")
+    return out
+
+
+def _np_dtype(dtype: str):
+    if dtype in ("fp32", "float32"):
+        return np.float32
+    if dtype in ("bf16", "bfloat16"):
+        import ml_dtypes  # ships with JAX
+
+        return ml_dtypes.bfloat16
+    raise ExportError(f"dtype must be fp32 or bf16, got {dtype!r}")
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray], metadata=None) -> None:
+    """Minimal safetensors writer (8-byte header length, JSON header, raw little-endian data).
+
+    Written here rather than with `safetensors.numpy` so bf16 (ml_dtypes) needs no torch.
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for name, x in tensors.items():
+        n = x.nbytes
+        header[name] = {
+            "dtype": _ST_DTYPES[np.dtype(x.dtype).name],
+            "shape": list(x.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # align the data section to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for x in tensors.values():
+            f.write(np.ascontiguousarray(x).tobytes())
+
+
+def write_weights(out_dir: Path, tensors: Mapping[str, np.ndarray], max_shard_bytes: int) -> None:
+    """One model.safetensors, or shards plus model.safetensors.index.json above the limit."""
+    total = sum(x.nbytes for x in tensors.values())
+    if total <= max_shard_bytes:
+        write_safetensors(out_dir / "model.safetensors", tensors)
+        return
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, x in tensors.items():
+        if shards[-1] and size + x.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = x
+        size += x.nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(out_dir / fname, shard)
+        weight_map.update({name: fname for name in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def hf_config(cfg: Any, dtype: str, token_ids: Mapping[str, int | None], max_len: int) -> dict:
+    """config.json contents: every LaplaceConfig field plus what HF/vLLM look for."""
+    fields = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    return {
+        "architectures": ["LaplaceForCausalLM"],
+        "model_type": "laplace",
+        **fields,
+        "torch_dtype": "bfloat16" if dtype in ("bf16", "bfloat16") else "float32",
+        # The state is fixed-size, so any length is servable; this is the serving limit.
+        "max_position_embeddings": int(max_len),
+        "tie_word_embeddings": False,
+        **{k: v for k, v in token_ids.items() if v is not None},
+    }
+
+
+def find_tokenizer_dir(checkpoint_dir: Path, meta: Mapping | None) -> Path | None:
+    """The training run's tokenizer: meta's reference, else beside the checkpoints dir."""
+    candidates = []
+    ref = (meta or {}).get("tokenizer")
+    if isinstance(ref, Mapping):
+        ref = ref.get("path") or ref.get("dir")
+    if isinstance(ref, str):
+        p = Path(ref)
+        candidates += [p, checkpoint_dir.parent / p]
+    run_dir = checkpoint_dir.parent
+    candidates += [run_dir, run_dir / "tokenizer", checkpoint_dir]
+    for c in candidates:
+        if c.is_file() and c.name == "tokenizer.json":
+            return c.parent
+        if (c / "tokenizer.json").is_file():
+            return c
+    return None
+
+
+def copy_tokenizer(src: Path, out_dir: Path) -> dict[str, int | None]:
+    """Copy the tokenizer files; write tokenizer_config / generation_config when absent.
+
+    Returns the special token ids found (bos/eos/pad) for config.json.
+    """
+    if not (src / "tokenizer.json").is_file():
+        raise ExportError(f"no tokenizer.json in {src}")
+    for fname in TOKENIZER_FILES:
+        if (src / fname).is_file():
+            shutil.copyfile(src / fname, out_dir / fname)
+    tok = json.loads((out_dir / "tokenizer.json").read_text())
+    specials = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+    eos_tok = next((t for t in ("<|endoftext|>", "</s>", "<eos>") if t in specials), None)
+    ids = {"eos_token_id": specials.get(eos_tok) if eos_tok else None, "bos_token_id": None}
+    if not (out_dir / "tokenizer_config.json").is_file():
+        tc = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30}
+        if eos_tok:
+            tc.update(eos_token=eos_tok, bos_token=eos_tok)
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(tc, indent=2) + "\n")
+    if not (out_dir / "generation_config.json").is_file():
+        gc = {k: v for k, v in ids.items() if v is not None}
+        (out_dir / "generation_config.json").write_text(json.dumps(gc, indent=2) + "\n")
+    return ids
+
+
+def export_model(
+    cfg: Any,
+    params: Mapping,
+    out_dir: str | Path,
+    *,
+    dtype: str = "fp32",
+    tokenizer_dir: str | Path | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    max_len: int | None = None,
+    source: Mapping | None = None,
+) -> Path:
+    """Write a model folder from a Flax params tree (nested dict or flat `/` paths)."""
+    tensors = convert(cfg, params, dtype)  # checks everything before writing anything
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("model*.safetensors*"):
+        old.unlink()
+    write_weights(out_dir, tensors, max_shard_bytes)
+    ids: dict[str, int | None] = {}
+    if tokenizer_dir is not None:
+        ids = copy_tokenizer(Path(tokenizer_dir), out_dir)
+    seq_len = cfg.seq_len if hasattr(cfg, "seq_len") else cfg["seq_len"]
+    config = hf_config(cfg, dtype, ids, max_len or max(65_536, seq_len))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    meta = {"dtype": dtype, "n_tensors": len(tensors), **dict(source or {})}
+    (out_dir / "export_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out_dir
