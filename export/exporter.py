@@ -108,8 +108,7 @@ def check_params(cfg: Any, flat: Mapping[str, np.ndarray]) -> None:
             problems.append(f"missing parameter {path} (-> {e.name}, shape {list(e.jax_shape)})")
         elif tuple(flat[path].shape) != e.jax_shape:
             problems.append(
-                f"parameter {path} has shape {list(flat[path].shape)}, "
-                f"expected {list(e.jax_shape)}"
+                f"parameter {path} has shape {list(flat[path].shape)}, expected {list(e.jax_shape)}"
             )
     for path in flat:
         if path not in expected:

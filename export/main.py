@@ -58,7 +58,9 @@ def main(argv=None) -> int:
         cfg = resolve_config(args, ckpt, meta)
         tok = None
         if not args.no_tokenizer:
-            tok = Path(args.tokenizer) if args.tokenizer else exporter.find_tokenizer_dir(ckpt, meta)
+            tok = (
+                Path(args.tokenizer) if args.tokenizer else exporter.find_tokenizer_dir(ckpt, meta)
+            )
             if tok is None:
                 raise ExportError(
                     f"no tokenizer.json found for {ckpt} (looked in the checkpoint meta and the "

@@ -166,8 +166,9 @@ def gla_chunked(q, k, v, log_decay, state, scale, chunk_size):
     valid[-1] = C - pad
     L = valid[:, None]  # [N, 1]
     live = j < L  # [N, C]
-    k_decay = torch.where(live, torch.exp(gamma[:, :, 0:1] * torch.where(live, L - 1 - j, 0.0)),
-                          0.0)  # [H, N, C]: lambda^(L_c - 1 - j)
+    k_decay = torch.where(
+        live, torch.exp(gamma[:, :, 0:1] * torch.where(live, L - 1 - j, 0.0)), 0.0
+    )  # [H, N, C]: lambda^(L_c - 1 - j)
     kv = torch.einsum("bhnjk,bhnjv->nbhkv", kc * k_decay[None, ..., None], vc)  # [N,B,H,K,V]
     chunk_decay = torch.exp(gamma[:, 0, 0][None, :] * valid[:, None])  # [N, H]
     q_decay = torch.exp(gamma[:, 0] * (i[:, 0] + 1.0)[None, :])  # [H, C]: lambda^(i+1)
@@ -195,10 +196,14 @@ class LaplaceState:
     def zeros(cls, config: LaplaceConfig, batch_size: int, device=None) -> LaplaceState:
         c = config
         return cls(
-            [torch.zeros(batch_size, c.n_heads, c.d_k, c.d_v, device=device)
-             for _ in range(c.n_layers)],
-            [torch.zeros(batch_size, c.conv_width, c.d_model, device=device)
-             for _ in range(c.n_layers)],
+            [
+                torch.zeros(batch_size, c.n_heads, c.d_k, c.d_v, device=device)
+                for _ in range(c.n_layers)
+            ],
+            [
+                torch.zeros(batch_size, c.conv_width, c.d_model, device=device)
+                for _ in range(c.n_layers)
+            ],
         )
 
     @property
@@ -264,12 +269,14 @@ class LaplaceMixer(nn.Module):
         q, k, v, g = self.qkvg_proj(u).split([H * dk, H * dk, H * dv, H * dv], dim=-1)
         q, k, v = q.view(B, T, H, dk), k.view(B, T, H, dk), v.view(B, T, H, dv)
         if T == 1:
-            o, gla_state = gla_step(q[:, 0], k[:, 0], v[:, 0], self.log_decay, gla_state,
-                                    self.scale)
+            o, gla_state = gla_step(
+                q[:, 0], k[:, 0], v[:, 0], self.log_decay, gla_state, self.scale
+            )
             o = o[:, None]  # [B, 1, H, dv]
         else:
-            o, gla_state = gla_chunked(q, k, v, self.log_decay, gla_state, self.scale,
-                                       self.chunk_size)
+            o, gla_state = gla_chunked(
+                q, k, v, self.log_decay, gla_state, self.scale, self.chunk_size
+            )
         # self-augmentation: o += sigmoid(sum_i q_i a_i k_i) v   (fp32)
         aug = torch.sigmoid((q.to(f32) * self.aug_balance.to(f32) * k.to(f32)).sum(-1, True))
         o = o + aug * v.to(f32)  # [B, T, H, dv]
@@ -383,8 +390,7 @@ class LaplaceForCausalLM(LaplacePreTrainedModel):
         path = Path(path)
         config = LaplaceConfig.from_dict(json.loads((path / "config.json").read_text()))
         tensors = load_safetensors_folder(path)
-        names.check_tensors(config, {k: tuple(v.shape) for k, v in tensors.items()},
-                            side=str(path))
+        names.check_tensors(config, {k: tuple(v.shape) for k, v in tensors.items()}, side=str(path))
         with torch.device("meta"):
             model = cls(config)
         model = model.to_empty(device="cpu")
@@ -408,8 +414,9 @@ class LaplaceForCausalLM(LaplacePreTrainedModel):
         return torch.cat(logits), LaplaceState.cat(states)
 
     @torch.no_grad()
-    def greedy_generate(self, prompts: list[list[int]], max_new_tokens: int,
-                        decoder: DecodeRunner | None = None) -> list[list[int]]:
+    def greedy_generate(
+        self, prompts: list[list[int]], max_new_tokens: int, decoder: DecodeRunner | None = None
+    ) -> list[list[int]]:
         """Greedy tokens for prompts of any lengths, decoded together as one batch."""
         decoder = decoder or DecodeRunner(self)
         logits, state = self.prefill(prompts)
@@ -426,6 +433,7 @@ def _reset_buffers(config):
     def fn(m):
         if isinstance(m, LaplaceMixer):
             m.log_decay = log_decay_schedule(config.n_heads, config.t_min, config.t_max)
+
     return fn
 
 
@@ -438,8 +446,14 @@ class DecodeRunner:
     `widths=None` is plain eager decoding, for exact reproducibility.
     """
 
-    def __init__(self, model: LaplaceForCausalLM, *, compile: bool = False,
-                 widths: tuple[int, ...] | None = None, backend: str = "inductor"):
+    def __init__(
+        self,
+        model: LaplaceForCausalLM,
+        *,
+        compile: bool = False,
+        widths: tuple[int, ...] | None = None,
+        backend: str = "inductor",
+    ):
         self.model = model
         self.widths = tuple(sorted(widths)) if widths else None
         self.shapes_seen: set[int] = set()
