@@ -1,0 +1,85 @@
+"""LaplaceConfig: presets, validation errors that name the problem, JSON and overrides."""
+
+import dataclasses
+import re
+
+import pytest
+
+from laplace_jax.accounting import parameter_counts
+from laplace_jax.config import PRESETS, ConfigError, LaplaceConfig, get_config
+
+
+def test_laplace_3b_preset_is_the_design_table():
+    cfg = PRESETS["laplace-3b"]
+    assert (cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads) == (50_304, 3_072, 24, 16)
+    assert (cfg.d_k, cfg.d_v, cfg.conv_width, cfg.ffn_dim) == (96, 192, 4, 8_192)
+    assert (cfg.t_min, cfg.t_max, cfg.n_tiers) == (1.0, 2_048.0, 4)
+    assert (cfg.seq_len, cfg.chunk_size, cfg.n_chunks, cfg.qkvg_dim) == (2_048, 128, 16, 9_216)
+
+
+def test_small_preset_size():
+    total = parameter_counts(PRESETS["small"])["total_params"]
+    assert 10e6 <= total <= 30e6
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"d_model": 100}, "d_model (100) must equal n_heads * d_v"),
+        ({"n_tiers": 3}, "n_heads (16) must be divisible by n_tiers (3)"),
+        ({"vocab_size": 50_257}, "vocab_size (50257) must be a multiple of 64"),
+        ({"chunk_size": 100}, "chunk_size (100) must divide seq_len (2048)"),
+        ({"n_layers": 0}, "n_layers must be positive"),
+        ({"d_k": -4}, "d_k must be positive"),
+        ({"t_min": 4096.0}, "t_min (4096.0) must not exceed t_max"),
+        ({"n_heads": 16.0}, "n_heads must be int"),
+        ({"compute_dtype": "float16"}, "compute_dtype must be one of"),
+    ],
+)
+def test_validation_names_the_problem(changes, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        PRESETS["laplace-3b"].replace(**changes)
+
+
+def test_json_round_trip(tmp_path):
+    for cfg in PRESETS.values():
+        assert LaplaceConfig.from_json(cfg.to_json()) == cfg
+    path = tmp_path / "model.json"
+    path.write_text(PRESETS["small"].to_json())
+    assert get_config(str(path)) == PRESETS["small"]
+
+
+def test_json_errors(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config field"):
+        LaplaceConfig.from_dict({**PRESETS["tiny"].to_dict(), "n_experts": 8})
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        LaplaceConfig.from_json("{d_model: 3}")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"d_model": "wide"}')
+    with pytest.raises(ConfigError, match="bad.json: d_model must be int"):
+        get_config(str(bad))
+    with pytest.raises(ConfigError, match="config file not found"):
+        get_config(str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="unknown config 'laplace-7b'"):
+        get_config("laplace-7b")
+
+
+def test_overrides():
+    cfg = get_config("tiny", ["n_layers=3", "t_max=128", "compute_dtype=bfloat16"])
+    assert (cfg.n_layers, cfg.t_max, cfg.compute_dtype) == (3, 128.0, "bfloat16")
+    assert (
+        dataclasses.replace(cfg, n_layers=2, t_max=64.0, compute_dtype="float32") == PRESETS["tiny"]
+    )
+    with pytest.raises(ConfigError, match="unknown config key 'n_experts'"):
+        get_config("tiny", ["n_experts=8"])
+    with pytest.raises(ConfigError, match="n_layers expects int, got 'two'"):
+        get_config("tiny", ["n_layers=two"])
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        get_config("tiny", ["n_layers"])
+    with pytest.raises(ConfigError, match="must equal n_heads"):
+        get_config("tiny", ["d_model=65"])
+
+
+def test_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PRESETS["tiny"].n_layers = 5
