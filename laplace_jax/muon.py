@@ -83,9 +83,14 @@ def shape_factor(kernel_shape: tuple[int, int], kind: str) -> float:
     raise ValueError(f"shape_factor must be one of {SHAPE_FACTORS}, got {kind!r}")
 
 
+def _mm(x, y):
+    """Matmul of `ns_dtype` operands with fp32 accumulation and an fp32 result."""
+    return jnp.matmul(x, y, preferred_element_type=f32)
+
+
 def _gram(x):
     """x x^T of [..., r, c] in fp32 accumulation, rounded to x's dtype."""
-    return jnp.matmul(x, jnp.swapaxes(x, -1, -2), preferred_element_type=f32).astype(x.dtype)
+    return _mm(x, jnp.swapaxes(x, -1, -2)).astype(x.dtype)
 
 
 def newton_schulz(g, steps: int = 5, dtype=jnp.bfloat16, eps: float = NS_EPS):
@@ -104,8 +109,8 @@ def newton_schulz(g, steps: int = 5, dtype=jnp.bfloat16, eps: float = NS_EPS):
     x = (x32 / (norm + eps)).astype(dtype)
     for _ in range(steps):  # static unroll: no data-dependent loop
         A = _gram(x)
-        B = b * A + c * jnp.matmul(A, A)
-        x = a * x + jnp.matmul(B, x)
+        B = (b * A.astype(f32) + c * _mm(A, A)).astype(dtype)
+        x = (a * x.astype(f32) + _mm(B, x)).astype(dtype)
     return jnp.swapaxes(x, -1, -2) if tall else x
 
 
@@ -165,20 +170,38 @@ class TilePool:
         return out
 
 
-def _ffd(sizes: dict[str, int], n: int, capacity: int) -> dict[str, tuple[int, int]] | None:
-    """First-fit decreasing: path -> (bin, offset), or None if it does not fit."""
-    free = [capacity] * n
+def _pack(sizes: dict[str, int], n: int, capacity: int, rule: str):
+    """Pack whole matrices (sizes in tiles) into n bins: path -> (bin, first slot), or None.
+
+    Largest first; `first_fit` takes the first bin with room, `fewest` the bin with room holding
+    the fewest matrices (then the fullest), which keeps the matrix slots per device low.
+    """
+    free, count = [capacity] * n, [0] * n
     out = {}
     for path in sorted(sizes, key=lambda p: (-sizes[p], p)):
         size = sizes[path]
-        for j in range(n):
-            if free[j] >= size:
-                out[path] = (j, capacity - free[j])
-                free[j] -= size
-                break
-        else:
+        fits = [j for j in range(n) if free[j] >= size]
+        if not fits:
             return None
+        j = fits[0] if rule == "first_fit" else min(fits, key=lambda j: (count[j], free[j], j))
+        out[path] = (j, capacity - free[j])
+        free[j] -= size
+        count[j] += 1
     return out
+
+
+def _best_packing(sizes: dict[str, int], n: int) -> tuple[int, dict[str, tuple[int, int]]]:
+    """The smallest capacity T any rule fits in, then the fewest matrices on one device."""
+    cap = max(max(sizes.values()), -(-sum(sizes.values()) // n))
+    while True:
+        found = [p for rule in ("fewest", "first_fit") if (p := _pack(sizes, n, cap, rule))]
+        if found:
+
+            def most(placed):
+                return max(np.bincount([j for j, _ in placed.values()], minlength=n))
+
+            return cap, min(found, key=most)
+        cap += 1
 
 
 def plan_tiles(shapes: dict[str, tuple[int, int]], n: int) -> tuple[list[TilePool], list[str]]:
@@ -201,9 +224,7 @@ def plan_tiles(shapes: dict[str, tuple[int, int]], n: int) -> tuple[list[TilePoo
         if not ok:
             continue
         tiles = {p: max(shapes[p]) // w for p in ok}
-        cap = max(max(tiles.values()), -(-sum(tiles.values()) // n))
-        while (placed := _ffd(tiles, n, cap)) is None:
-            cap += 1
+        cap, placed = _best_packing(tiles, n)
         locals_: dict[int, int] = {}
         mats = []
         for p in ok:
@@ -269,9 +290,9 @@ def _ns_tiles(x, seg, steps: int, dtype, eps: float = NS_EPS):
     for _ in range(steps):
         g = jnp.einsum("tiw,tjw->tij", x, x, preferred_element_type=f32)
         A = jnp.einsum("mt,tij->mij", seg, g).astype(dtype)
-        B = b * A + c * jnp.matmul(A, A)
-        Bt = jnp.einsum("mt,mij->tij", seg, B.astype(f32)).astype(dtype)  # exact: one-hot
-        x = a * x + jnp.matmul(Bt, x)
+        B = b * A.astype(f32) + c * _mm(A, A)
+        Bt = jnp.einsum("mt,mij->tij", seg, B).astype(dtype)  # exact: one-hot
+        x = (a * x.astype(f32) + _mm(Bt, x)).astype(dtype)
     return x
 
 

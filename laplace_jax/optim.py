@@ -1,0 +1,220 @@
+"""The Laplace optimizer: Muon for the 2-D weight matrices, AdamW for the rest, one schedule.
+
+Which parameter goes where is decided by its path (`laplace_jax.model.is_muon_path`: the
+`qkvg`, `out`, `w12` and `w3` kernels of every layer, 96 for 3B), never by `ndim`: the embedding
+and the LM head are 2-D but go to AdamW. Both share `learning_rate_schedule` (linear warmup, then
+cosine to `min_lr_ratio`); AdamW runs at `adamw_lr_ratio` times Muon's rate.
+
+    tx = make_optimizer(OPTIMIZER_PRESETS["tiny"], params, mesh)
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+
+With the default `shape_factor="adamw_rms"` Muon's update has AdamW's RMS (about 0.2), so one
+learning rate and one weight decay mean the same for both halves (`adamw_lr_ratio = 1`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from laplace_jax import muon as muon_lib
+from laplace_jax.model import is_muon_path
+
+FSDP = "fsdp"
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 6e-4  # peak learning rate of Muon (update RMS ~0.2 with "adamw_rms")
+    adamw_lr_ratio: float = 1.0  # AdamW's rate = ratio * Muon's, at every step
+    warmup_steps: int = 3_815  # the write-up's linear warmup
+    total_steps: int = 190_735  # 100B tokens at 524,288 tokens per step
+    min_lr_ratio: float = 0.1  # cosine ends at min_lr_ratio * lr
+    weight_decay: float = 0.1  # decoupled (times the rate): Muon matrices and AdamW kernels
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    muon_momentum: float = 0.95  # mu of DESIGN.md s4
+    nesterov: bool = True  # G' = G + mu M
+    ns_steps: int = 5  # quintic Newton-Schulz iterations
+    ns_dtype: str = "bfloat16"  # Newton-Schulz operands, and what the collectives carry
+    shape_factor: str = "adamw_rms"  # or "max_ratio": max(1, rows/cols) ** 0.5
+    muon_mode: str = "a2a"  # "single" | "gather" | "a2a" (DESIGN.md s4; see muon.py)
+
+    def __post_init__(self):
+        for name in ("lr", "adam_eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not 0 < self.adamw_lr_ratio:
+            raise ValueError(f"adamw_lr_ratio must be positive, got {self.adamw_lr_ratio!r}")
+        if not 0 <= self.warmup_steps <= self.total_steps or self.total_steps < 1:
+            raise ValueError("need 0 <= warmup_steps <= total_steps and total_steps >= 1")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        for name in ("adam_b1", "adam_b2", "muon_momentum"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if self.ns_steps < 1:
+            raise ValueError(f"ns_steps must be >= 1, got {self.ns_steps!r}")
+        if self.ns_dtype not in muon_lib.NS_DTYPES:
+            raise ValueError(f"ns_dtype must be one of {tuple(muon_lib.NS_DTYPES)}")
+        if self.shape_factor not in muon_lib.SHAPE_FACTORS:
+            raise ValueError(f"shape_factor must be one of {muon_lib.SHAPE_FACTORS}")
+        if self.muon_mode not in muon_lib.MODES:
+            raise ValueError(f"muon_mode must be one of {muon_lib.MODES}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> OptimizerConfig:
+        return dataclasses.replace(self, **changes)
+
+    def with_overrides(self, overrides: list[str]) -> OptimizerConfig:
+        """`key=value` strings, typed by the field; unknown keys are an error."""
+        from laplace_jax.config import parse_overrides
+
+        return self.replace(**parse_overrides(overrides, type(self)))
+
+
+OPTIMIZER_PRESETS: dict[str, OptimizerConfig] = {
+    "laplace-3b": OptimizerConfig(),
+    "small": OptimizerConfig(lr=3e-3, warmup_steps=200, total_steps=5_000),
+    "tiny": OptimizerConfig(lr=1e-2, warmup_steps=10, total_steps=200, ns_dtype="float32"),
+}
+
+
+def learning_rate_schedule(opt_cfg: OptimizerConfig):
+    """step -> Muon's learning rate: lr (step+1)/warmup, then cosine down to min_lr_ratio lr.
+
+    Branch-free (`jnp.where`), so it traces into the jitted step (no `lax.cond`).
+    """
+    peak, warm, total = opt_cfg.lr, opt_cfg.warmup_steps, opt_cfg.total_steps
+    floor = opt_cfg.min_lr_ratio * peak
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        warmup = peak * jnp.minimum(1.0, (step + 1.0) / max(warm, 1))
+        frac = jnp.clip((step - warm) / max(total - warm, 1), 0.0, 1.0)
+        cosine = floor + 0.5 * (peak - floor) * (1.0 + jnp.cos(math.pi * frac))
+        return jnp.where(step < warm, warmup, cosine)
+
+    return schedule
+
+
+# ---- parameter bookkeeping ----------------------------------------------------------------------
+
+
+def _path_str(key_path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in key_path)
+
+
+def flat_params(params_like) -> dict[str, Any]:
+    """`/`-joined path -> leaf (array or ShapeDtypeStruct)."""
+    return {_path_str(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(params_like)[0]}
+
+
+def param_labels(params_like):
+    """A tree like params of "muon" / "adamw", chosen by path."""
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, _: "muon" if is_muon_path(_path_str(kp)) else "adamw", params_like
+    )
+
+
+def _adamw_decay_mask(params):
+    """AdamW decays kernels and the embedding; not norm scales, biases or aug_balance."""
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, _: _path_str(kp).rsplit("/", 1)[-1] in ("kernel", "embedding"), params
+    )
+
+
+def _is_row_sharded(leaf, n: int) -> bool:
+    """Rows split over `fsdp`: from the leaf's sharding if it has one, else the contract's rule."""
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (len(leaf.shape) - len(sharding.spec))
+        if spec[1:] != (None,) * (len(leaf.shape) - 1) or spec[0] not in (None, FSDP):
+            raise ValueError(f"Muon needs row-sharded (fsdp, None) matrices, got {sharding.spec}")
+        return spec[0] == FSDP
+    return leaf.shape[0] % n == 0
+
+
+def muon_plan(opt_cfg: OptimizerConfig, params_like, mesh: Mesh | None = None):
+    """The static Muon plan for these parameters (mode `single` when there is no mesh)."""
+    flat = flat_params(params_like)
+    mats = {p: x for p, x in flat.items() if is_muon_path(p)}
+    for p, x in mats.items():
+        if len(x.shape) != 2:
+            raise ValueError(f"Muon parameter {p} is not a matrix: shape {x.shape}")
+    mode = opt_cfg.muon_mode if mesh is not None else "single"
+    n = 1 if mesh is None else mesh.shape[FSDP]
+    sharded = frozenset(p for p, x in mats.items() if mesh is not None and _is_row_sharded(x, n))
+    return muon_lib.MuonPlan(
+        shapes={p: tuple(x.shape) for p, x in mats.items()},
+        mode=mode,
+        ns_steps=opt_cfg.ns_steps,
+        ns_dtype=opt_cfg.ns_dtype,
+        shape_factor=opt_cfg.shape_factor,
+        mesh=mesh,
+        axis=FSDP,
+        sharded=sharded,
+    )
+
+
+def make_optimizer(
+    opt_cfg: OptimizerConfig, params_like, mesh: Mesh | None = None
+) -> optax.GradientTransformation:
+    """Muon (by path) + AdamW, one schedule. `params_like`: params or their abstract shapes.
+
+    With a mesh, `gather`/`a2a` run inside `shard_map` over the mesh axis `fsdp`; each Muon
+    matrix is taken as row-sharded when its leaf carries such a NamedSharding, or (abstract
+    shapes without sharding) when its rows divide by the mesh size, as
+    `laplace_jax.sharding.param_shardings` shards it. Without a mesh all modes are `single`.
+    """
+    schedule = learning_rate_schedule(opt_cfg)
+    plan = muon_plan(opt_cfg, params_like, mesh)
+    muon_tx = muon_lib.muon(
+        schedule,
+        plan,
+        momentum=opt_cfg.muon_momentum,
+        nesterov=opt_cfg.nesterov,
+        weight_decay=opt_cfg.weight_decay,
+    )
+    adamw_tx = optax.adamw(
+        lambda step: opt_cfg.adamw_lr_ratio * schedule(step),
+        b1=opt_cfg.adam_b1,
+        b2=opt_cfg.adam_b2,
+        eps=opt_cfg.adam_eps,
+        weight_decay=opt_cfg.weight_decay,
+        mask=_adamw_decay_mask,
+    )
+    return optax.partition({"muon": muon_tx, "adamw": adamw_tx}, param_labels(params_like))
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, params_like, param_shardings):
+    """NamedSharding for every leaf of `tx.init(params)`: a leaf that shadows a parameter
+    (momentum, Adam moments) takes that parameter's sharding, scalars (counts) are replicated.
+    """
+    by_path = {tuple(p.split("/")): s for p, s in flat_params(param_shardings).items()}
+    shapes = {p: x.shape for p, x in flat_params(params_like).items()}
+    mesh = next(iter(by_path.values())).mesh
+    abstract = jax.eval_shape(tx.init, params_like)
+
+    def pick(kp, leaf):
+        keys = tuple(str(k.key) for k in kp if isinstance(k, jax.tree_util.DictKey))
+        for i in range(len(keys)):
+            tail = keys[i:]
+            if tail in by_path and shapes["/".join(tail)] == leaf.shape:
+                return by_path[tail]
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree_util.tree_map_with_path(pick, abstract)
