@@ -1,0 +1,186 @@
+"""The jitted training step: gradient accumulation, clipping, the NaN/Inf guard, FSDP shardings.
+
+Everything inside the step respects the Neuron constraints of DESIGN.md section 1: no
+`lax.cond`, no host callbacks, a scan only with a static trip count (the accumulation steps).
+A step whose loss or gradient norm is not finite is not applied: `jnp.where` selects the old
+parameters and optimizer state, and `bad_streak` counts such steps in a row.
+
+The train state is a plain dict {"params", "opt_state", "bad_streak"}; the host loop owns the
+step counter (it is also the data position and the checkpoint number).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from laplace_jax.model import LaplaceLM
+from laplace_jax.sharding import FSDP
+
+
+def loss_fn(model: LaplaceLM, params, tokens):
+    """Mean next-token cross-entropy of tokens [B, T + 1] (inputs [:, :-1], targets [:, 1:])."""
+    logits, _ = model.apply({"params": params}, tokens[:, :-1])  # [B, T, V] fp32
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def accum_batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batches [accum, micro, T + 1]: the micro-batch's sequences split over `fsdp`."""
+    return NamedSharding(mesh, PartitionSpec(None, FSDP, None))
+
+
+def eval_batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(FSDP, None))
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, abstract_params, param_shardings, mesh):
+    """Shardings for the optimizer state: a leaf shaped like a parameter goes where it goes.
+
+    `optax.tree_map_params` finds the parameter-shaped leaves (moments, momenta); any other leaf
+    (counters, or a state laid out by the optimizer itself) is split on its first axis when that
+    divides by the mesh size, else replicated.
+    """
+    abstract_state = jax.eval_shape(tx.init, abstract_params)
+    n = mesh.shape[FSDP]
+
+    def fallback(x):
+        shape = getattr(x, "shape", ())
+        if len(shape) >= 2 and shape[0] % n == 0:
+            return NamedSharding(mesh, PartitionSpec(FSDP))
+        return NamedSharding(mesh, PartitionSpec())
+
+    try:
+        shardings = optax.tree_map_params(
+            tx,
+            lambda x, s: s if getattr(x, "shape", None) is not None else fallback(x),
+            abstract_state,
+            param_shardings,
+            transform_non_params=fallback,
+            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
+        )
+        # a parameter-shaped leaf must really have that parameter's shape
+        ok = jax.tree.all(
+            jax.tree.map(
+                lambda x, s: isinstance(s, NamedSharding) and _divides(x.shape, s.spec, mesh),
+                abstract_state,
+                shardings,
+            )
+        )
+        if ok:
+            return abstract_state, shardings
+    except Exception:  # noqa: BLE001 - an optimizer with a state optax cannot map
+        pass
+    return abstract_state, jax.tree.map(fallback, abstract_state)
+
+
+def _divides(shape, spec, mesh) -> bool:
+    if len(spec) > len(shape):
+        return False
+    for dim, axis in zip(shape, spec, strict=False):
+        if axis is not None and dim % mesh.shape[axis]:
+            return False
+    return True
+
+
+def make_train_step(
+    model: LaplaceLM,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    param_shardings,
+    opt_shardings,
+    grad_clip: float = 1.0,
+):
+    """jit(step)(state, batch [A, B, T + 1]) -> (state, metrics), with explicit shardings."""
+    state_shardings = {
+        "params": param_shardings,
+        "opt_state": opt_shardings,
+        "bad_streak": NamedSharding(mesh, PartitionSpec()),
+    }
+    repl = NamedSharding(mesh, PartitionSpec())
+    grad_fn = jax.value_and_grad(lambda p, t: loss_fn(model, p, t))
+
+    def step(state, batch):
+        params = state["params"]
+        accum = batch.shape[0]  # static
+
+        if accum == 1:
+            loss, grads = grad_fn(params, batch[0])
+        else:
+
+            def micro(carry, tokens):
+                loss_sum, grad_sum = carry
+                loss, grads = grad_fn(params, tokens)
+                grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+                grad_sum = jax.lax.with_sharding_constraint(grad_sum, param_shardings)
+                return (loss_sum + loss, grad_sum), None
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            (loss, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), batch)
+            loss = loss / accum
+            grads = jax.tree.map(lambda g: g / accum, grads)
+
+        grad_norm = optax.global_norm(grads)
+        if grad_clip > 0:  # static choice; the scale itself is branch-free
+            scale = jnp.minimum(1.0, grad_clip / (grad_norm + 1e-6))
+            grads = jax.tree.map(lambda g: g * scale, grads)
+        updates, new_opt_state = tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+
+        # NaN/Inf guard: keep the old state, selected element-wise (no lax.cond on Neuron)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+        new_state = {
+            "params": jax.tree.map(keep, new_params, params),
+            "opt_state": jax.tree.map(keep, new_opt_state, state["opt_state"]),
+            "bad_streak": jnp.where(ok, 0, state["bad_streak"] + 1).astype(jnp.int32),
+        }
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "applied": ok,
+            "bad_streak": new_state["bad_streak"],
+        }
+        return new_state, metrics
+
+    metric_shardings = {k: repl for k in ("loss", "grad_norm", "applied", "bad_streak")}
+    return jax.jit(
+        step,
+        in_shardings=(state_shardings, accum_batch_sharding(mesh)),
+        out_shardings=(state_shardings, metric_shardings),
+        donate_argnums=0,
+    ), state_shardings
+
+
+def make_eval_step(model: LaplaceLM, mesh: Mesh, param_shardings):
+    """jit(loss)(params, tokens [B, T + 1]) -> mean loss."""
+    return jax.jit(
+        lambda p, t: loss_fn(model, p, t),
+        in_shardings=(param_shardings, eval_batch_sharding(mesh)),
+        out_shardings=NamedSharding(mesh, PartitionSpec()),
+    )
+
+
+def measure_matmul_flops(mesh: Mesh, size: int = 1024, reps: int = 5) -> float:
+    """fp32 matmul FLOP/s of all mesh devices together, measured now (the MFU denominator).
+
+    Every device multiplies its own [size, size] pair at the same time, so simulated devices
+    sharing CPU cores are not counted twice.
+    """
+    n = mesh.shape[FSDP]
+    sharding = NamedSharding(mesh, PartitionSpec(FSDP))
+    a = jax.device_put(
+        np.random.default_rng(0).standard_normal((n, size, size), np.float32), sharding
+    )
+    f = jax.jit(lambda x: jnp.einsum("nij,njk->nik", x, x), out_shardings=sharding)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n * size**3 / best
