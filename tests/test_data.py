@@ -117,11 +117,11 @@ def test_prepare_text_jsonl_parquet(tmp_path):
     assert len(list(out.glob("train_*.bin"))) > 1  # split into shards of 200 tokens
     eot = tok.token_to_id(EOT)
     assert meta["eot_id"] == eot
+
     # decoding the shards gives back the documents, each after an end-of-text token
     def split(toks):
-        return [
-            tok.decode(p.tolist()) for p in np.split(toks, np.where(toks == eot)[0])[1:]
-        ]
+        return [tok.decode(p.tolist()) for p in np.split(toks, np.where(toks == eot)[0])[1:]]
+
     val_idx = {9, 19, 29}
     assert split(train) == [d for i, d in enumerate(docs) if i not in val_idx]
     assert split(val) == [docs[i] for i in sorted(val_idx)]
