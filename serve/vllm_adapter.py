@@ -1,0 +1,175 @@
+"""Serve an exported Laplace folder with the unmodified vLLM engine.
+
+    # OpenAI-compatible server on 127.0.0.1 (stop it by its process id)
+    python -m serve.vllm_adapter --model exported/ --port 8000
+    # offline generation: one completion per --prompt
+    python -m serve.vllm_adapter --model exported/ --prompt "Once upon" --max-tokens 32 \
+        --temperature 0 [--json]
+
+The model class is `serve/vllm_model.py`; it is registered by `serve/vllm_plugin.py` (the
+`vllm.general_plugins` entry point, so any vLLM process finds it; registered here too).
+Environment defaults (set only when unset): VLLM_CPU_KVCACHE_SPACE=1 (GiB of state pages),
+VLLM_CPU_NUM_OF_RESERVED_CPU=0 (the model may use every core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def set_env_defaults() -> None:
+    for k, v in ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+
+
+def engine_kwargs(
+    model: str,
+    *,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 64,
+    compile: bool = False,
+    seed: int = 0,
+) -> dict:
+    """Engine arguments for a Laplace folder (fp32 state, no prefix caching: one page/seq)."""
+    kw = dict(
+        model=str(model),
+        dtype="float32",
+        enforce_eager=not compile,
+        enable_prefix_caching=False,
+        max_num_seqs=max_num_seqs,
+        seed=seed,
+        skip_tokenizer_init=not (Path(model) / "tokenizer.json").is_file(),
+    )
+    if max_model_len:
+        kw["max_model_len"] = max_model_len
+    return kw
+
+
+def make_llm(model: str, **kwargs):
+    """A `vllm.LLM` for an exported folder (kwargs: see `engine_kwargs`, or any LLM arg)."""
+    set_env_defaults()
+    from serve.vllm_plugin import register
+
+    register()
+    from vllm import LLM
+
+    ek = engine_kwargs(model, **{k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_KEYS})
+    return LLM(**{**ek, **kwargs})
+
+
+_ENGINE_KEYS = ("max_model_len", "max_num_seqs", "compile", "seed")
+
+
+def generate(llm, prompts, max_tokens: int, temperature: float = 0.0, seed: int | None = None):
+    """prompts: strings or lists of token ids. Returns one dict per prompt."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        ignore_eos=temperature == 0.0,
+        detokenize=llm.llm_engine.tokenizer is not None,
+    )
+    inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
+    outs = llm.generate(inputs, sp, use_tqdm=False)
+    return [
+        {
+            "prompt": p if isinstance(p, str) else None,
+            "prompt_token_ids": list(o.prompt_token_ids),
+            "token_ids": list(o.outputs[0].token_ids),
+            "text": o.outputs[0].text,
+        }
+        for p, o in zip(prompts, outs, strict=True)
+    ]
+
+
+def serve(args) -> None:
+    """vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`), in this process."""
+    set_env_defaults()
+    from serve.vllm_plugin import register
+
+    register()
+    ek = engine_kwargs(
+        args.model,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        compile=args.compile,
+    )
+    argv = [
+        "--model", ek["model"],
+        "--host", args.host,
+        "--port", str(args.port),
+        "--dtype", "float32",
+        "--no-enable-prefix-caching",
+        "--max-num-seqs", str(ek["max_num_seqs"]),
+        "--served-model-name", args.served_model_name or Path(args.model).resolve().name,
+        "--seed", "0",
+    ]  # fmt: skip
+    if ek["enforce_eager"]:
+        argv.append("--enforce-eager")
+    if args.max_model_len:
+        argv += ["--max-model-len", str(args.max_model_len)]
+    sys.argv = ["vllm.entrypoints.openai.api_server", *argv, *args.vllm_arg]
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m serve.vllm_adapter", description=__doc__)
+    ap.add_argument("--model", required=True, help="exported model folder")
+    ap.add_argument("--prompt", action="append", default=[], help="offline prompt (repeatable)")
+    ap.add_argument(
+        "--prompt-ids",
+        action="append",
+        default=[],
+        help="offline prompt as comma-separated token ids (repeatable; after --prompt ones)",
+    )
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print JSON lines with token ids")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="let vLLM torch.compile the model (default: eager, exact)",
+    )
+    ap.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        help="extra argument passed to vLLM's server (repeatable)",
+    )
+    args = ap.parse_args(argv)
+    prompts: list = list(args.prompt)
+    prompts += [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt_ids]
+    if not prompts:
+        serve(args)
+        return 0
+    llm = make_llm(
+        args.model,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        compile=args.compile,
+    )
+    for r in generate(llm, prompts, args.max_tokens, args.temperature, args.seed):
+        if args.json:
+            print(json.dumps(r), flush=True)
+        else:
+            print(r["text"] if r["text"] else " ".join(map(str, r["token_ids"])), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

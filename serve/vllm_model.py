@@ -1,0 +1,215 @@
+"""Laplace for the unmodified vLLM engine (v1): an attention-free model with an inner state.
+
+Each layer's token mixer is a state-holding layer of vLLM's mamba / linear-attention family
+(`MambaBase`, backend `LINEAR`): vLLM gives every running sequence one fixed-size state page,
+which holds this layer's GLA matrices [H, dk, dv] and conv window [W, D] (fp32). The mixer reads
+and writes its page through the forward context's `LinearAttentionMetadata`:
+
+    tokens of a step:  [decode tokens (one per sequence) | prefill tokens, sequence after sequence]
+    decodes:  gather pages -> O(1) step -> scatter pages (batched)
+    prefills: per sequence, the chunked form from its page (zeros when the sequence starts,
+              the saved state when vLLM continues a chunked prefill) -> write the final state
+
+A sequence's first step can be a "decode" (a 1-token prompt): its page still holds an old
+sequence's state, so rows with seq_len == 1 start from zeros.
+
+The math is `serve/modeling_laplace.py`'s (same modules, same functions); parameter names are
+the exported names of `export/names.py`, and `load_weights` accounts for every tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from export import names
+from serve.modeling_laplace import (
+    LaplaceLayerNorm,
+    LaplaceMixer,
+    LaplaceMLP,
+    log_decay_schedule,
+)
+
+f32 = torch.float32
+
+
+def state_shapes(cfg) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One sequence's state page per layer: GLA [H, dk, dv] and conv window [W, D]."""
+    return (cfg.n_heads, cfg.d_k, cfg.d_v), (cfg.conv_width, cfg.d_model)
+
+
+class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
+    """The token mixer as a vLLM state layer; `self.kv_cache` = (gla pages, conv pages)."""
+
+    def __init__(self, config, prefix: str):
+        LaplaceMixer.__init__(self, config)
+        self.config = config
+        self.prefix = prefix
+        vllm_config = get_current_vllm_config()
+        ctx = vllm_config.compilation_config.static_forward_context
+        if prefix in ctx:
+            raise ValueError(f"duplicate layer name: {prefix}")
+        ctx[prefix] = self  # vLLM finds state layers here and binds their pages
+        self.kv_cache = (torch.tensor([]), torch.tensor([]))
+
+    # -- the state page, declared (MambaBase) --
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.LINEAR
+
+    def get_state_shape(self):
+        return state_shapes(self.config)
+
+    def get_state_dtype(self):
+        return (f32, f32)  # the state is accumulated in fp32 whatever the weights' dtype
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, D]
+        out = torch.zeros_like(h)
+        torch.ops.vllm.laplace_mixer(h, out, self.prefix)
+        return out
+
+    def forward_tokens(self, h: torch.Tensor, out: torch.Tensor) -> None:
+        meta = get_forward_context().attn_metadata
+        if isinstance(meta, dict):
+            meta = meta.get(self.prefix)
+        if meta is None:  # profiling run: no pages; same work, zero state, one sequence
+            W, D = self.conv_weight.shape[1], h.shape[-1]
+            y, _, _ = LaplaceMixer.forward(
+                self,
+                h[None],
+                h.new_zeros(1, W, D, dtype=f32),
+                h.new_zeros(1, *state_shapes(self.config)[0], dtype=f32),
+            )
+            out.copy_(y[0])
+            return
+        gla_pages, conv_pages = self.kv_cache
+        nd, npf = meta.num_decodes, meta.num_prefills
+        slots = meta.state_indices_tensor.long()
+        if nd > 0:  # decode: one token per sequence, batched
+            s = slots[:nd]
+            fresh = (meta.seq_lens[:nd] <= 1).view(nd, 1, 1)  # first token of a sequence
+            gla = torch.where(fresh[..., None], 0.0, gla_pages[s])
+            conv = torch.where(fresh, 0.0, conv_pages[s])
+            y, conv, gla = LaplaceMixer.forward(self, h[:nd, None], conv, gla)
+            gla_pages[s] = gla
+            conv_pages[s] = conv
+            out[:nd] = y[:, 0]
+        qsl = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        for i in range(nd, nd + npf):  # prefill: each sequence from its own page
+            start, end, slot = qsl[i], qsl[i + 1], int(slots[i])
+            if seq_lens[i] == end - start:  # no context yet: the sequence starts here
+                gla = h.new_zeros(1, *gla_pages.shape[1:], dtype=f32)
+                conv = h.new_zeros(1, *conv_pages.shape[1:], dtype=f32)
+            else:  # chunked prefill continues from the saved state
+                gla, conv = gla_pages[slot : slot + 1], conv_pages[slot : slot + 1]
+            y, conv, gla = LaplaceMixer.forward(self, h[None, start:end], conv, gla)
+            gla_pages[slot] = gla[0]
+            conv_pages[slot] = conv[0]
+            out[start:end] = y[0]
+
+
+def laplace_mixer(h: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
+    """Custom op so a compiled graph breaks around the state read/write (as vLLM's own layers)."""
+    layer = get_forward_context().no_compile_layers[layer_name]
+    layer.forward_tokens(h, out)
+
+
+def _laplace_mixer_fake(h: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
+    return None
+
+
+direct_register_custom_op(
+    op_name="laplace_mixer",
+    op_func=laplace_mixer,
+    mutates_args=["out"],
+    fake_impl=_laplace_mixer_fake,
+)
+
+
+class LaplaceVLLMDecoderLayer(nn.Module):
+    def __init__(self, config, prefix: str):
+        super().__init__()
+        self.ln_1 = LaplaceLayerNorm(config.d_model, config.norm_eps)
+        self.mixer = LaplaceVLLMMixer(config, prefix=f"{prefix}.mixer")
+        self.ln_2 = LaplaceLayerNorm(config.d_model, config.norm_eps)
+        self.mlp = LaplaceMLP(config)
+
+    def forward(self, x):  # x: [N, D]
+        x = x + self.mixer(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class LaplaceVLLMModel(nn.Module):
+    def __init__(self, config, prefix: str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(
+            LaplaceVLLMDecoderLayer(config, prefix=f"{prefix}.layers.{i}")
+            for i in range(config.n_layers)
+        )
+        self.norm = LaplaceLayerNorm(config.d_model, config.norm_eps)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
+    """Registered as architecture `LaplaceForCausalLM` (serve/vllm_plugin.py)."""
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        return state_shapes(vllm_config.model_config.hf_config)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        return (f32, f32)
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.model = LaplaceVLLMModel(config, prefix=f"{prefix}.model" if prefix else "model")
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        ours = {n: tuple(p.shape) for n, p in self.named_parameters()}
+        names.check_tensors(config, ours, side="vLLM Laplace parameters vs export/names.py")
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs
+    ):
+        x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        return self.model(x)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states).to(f32)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Every exported tensor, by the names of export/names.py; anything else is an error."""
+        params = dict(self.named_parameters())
+        got = {}
+        with torch.no_grad():
+            for name, w in weights:
+                got[name] = tuple(w.shape)
+                if name in params and tuple(params[name].shape) == tuple(w.shape):
+                    params[name].copy_(w.to(params[name].dtype))
+            names.check_tensors(self.config, got, side="vLLM load_weights")
+            for m in self.modules():  # fixed decays: computed, never loaded
+                if isinstance(m, LaplaceMixer):
+                    c = self.config
+                    m.log_decay = log_decay_schedule(c.n_heads, c.t_min, c.t_max).to(
+                        self.lm_head.weight.device
+                    )
+        return set(got)

@@ -1,0 +1,85 @@
+"""Shared by the export / PyTorch / vLLM tests: a tiny model, its tokenizer, its checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+# tiny preset with a vocabulary big enough for a byte-level BPE (256 bytes + merges + EOS)
+TINY_OVERRIDES = ["vocab_size=320"]
+EOS = "<|endoftext|>"
+
+
+def tiny_config():
+    from laplace_jax.config import get_config
+
+    return get_config("tiny", TINY_OVERRIDES)
+
+
+def random_params(cfg, seed: int = 0, noise: float = 0.1) -> dict:
+    """The JAX initialisation plus noise on every tensor, so that no path is trivial
+    (aug_balance starts at 0 and the head-norm scales at 1)."""
+    import jax
+
+    from laplace_jax.model import init_params
+
+    params = init_params(cfg, jax.random.key(seed))
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda x: np.asarray(x) + noise * rng.standard_normal(x.shape).astype(np.float32), params
+    )
+
+
+def corpus() -> str:
+    words = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
+    rng = np.random.default_rng(0)
+    return "\n".join(" ".join(rng.choice(words, 12)) for _ in range(400))
+
+
+def write_tokenizer(out_dir: Path, vocab_size: int) -> Path:
+    """A byte-level BPE trained on a generated text, saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus().splitlines(), trainer)
+    assert tok.get_vocab_size() <= vocab_size
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    return out_dir
+
+
+def write_checkpoint(ckpt_dir: Path, params: dict | None, cfg, step: int = 3) -> Path:
+    """An orbax checkpoint shaped like train/'s: items params, opt_state, meta (JSON)."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    items = {
+        "opt_state": ocp.args.StandardSave({"count": jnp.zeros((), jnp.int32)}),
+        "meta": ocp.args.JsonSave({"config": cfg.to_dict(), "tokenizer": "tokenizer.json"}),
+    }
+    if params is not None:
+        items["params"] = ocp.args.StandardSave(params)
+    mngr = ocp.CheckpointManager(ckpt_dir)
+    mngr.save(step, args=ocp.args.Composite(**items))
+    mngr.wait_until_finished()
+    mngr.close()
+    return ckpt_dir
+
+
+def make_run(run_dir: Path, cfg, params) -> Path:
+    """A training run directory: checkpoints/, config.json, tokenizer.json."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(run_dir, cfg.vocab_size)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict()))
+    write_checkpoint(run_dir / "checkpoints", params, cfg)
+    return run_dir
