@@ -10,8 +10,9 @@ ARCH = "LaplaceForCausalLM"
 
 
 def register() -> None:
-    import serve.modeling_laplace  # noqa: F401  registers model_type "laplace" with AutoConfig
     from vllm import ModelRegistry
+
+    import serve.modeling_laplace  # noqa: F401  registers model_type "laplace" with AutoConfig
 
     if ARCH not in ModelRegistry.get_supported_archs():
         # lazy "module:Class" form: the model module is imported only when it is used
