@@ -328,8 +328,10 @@ def _a2a_pool(pool: TilePool, local: dict[str, jax.Array], axis: str, steps, dty
     me = jax.lax.axis_index(axis)
     tall_tab = pool.tall_table()
     wide_x = recv.reshape(n, T, s // n, w).transpose(1, 0, 2, 3).reshape(T, s, w)
-    tall_x = recv.reshape(n, T, w // n, s).transpose(1, 0, 2, 3).reshape(T, w, s)
-    tall_x = tall_x.transpose(0, 2, 1) if tall_tab.any() else None
+    tall_x = None
+    if tall_tab.any():  # (w/n x s) row pieces of the kernel -> (s x w) columns of X
+        tall_x = recv.reshape(n, T, w // n, s).transpose(1, 0, 2, 3).reshape(T, w, s)
+        tall_x = tall_x.transpose(0, 2, 1)
     if tall_x is None:
         x = wide_x
     elif tall_tab.all():
