@@ -237,6 +237,26 @@ class LaplaceState:
 # ---- modules (parameter names == export/names.py's exported names) --------------------------
 
 
+class LaplaceLinear(nn.Linear):
+    """nn.Linear (no bias) with a row-exact path for decoding.
+
+    A BLAS GEMM's rounding depends on the number of rows it is given (the kernel blocks rows),
+    so a sequence's logits would change with the decode batch width. With `row_exact` set,
+    one-token inputs [B, 1, in] go through a batched matrix-vector product: every row is
+    computed by the same kernel whatever B, so padding a batch never changes the real rows.
+    """
+
+    row_exact = False
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x):
+        if self.row_exact and x.dim() == 3 and x.shape[1] == 1:
+            return torch.bmm(x, self.weight.t().expand(x.shape[0], -1, -1))
+        return F.linear(x, self.weight)
+
+
 class LaplaceMixer(nn.Module):
     """Conv, fused projection, GLA, self-augmentation, head RMSNorm, gate, output projection."""
 
@@ -249,13 +269,11 @@ class LaplaceMixer(nn.Module):
         # conv as plain parameters (not vLLM linear classes: its CPU backend repacks those)
         self.conv_weight = nn.Parameter(torch.zeros(c.d_model, c.conv_width))  # [D, W]
         self.conv_bias = nn.Parameter(torch.zeros(c.d_model))
-        self.qkvg_proj = nn.Linear(c.d_model, qkvg, bias=False)
+        self.qkvg_proj = LaplaceLinear(c.d_model, qkvg)
         self.aug_balance = nn.Parameter(torch.zeros(c.n_heads, c.d_k))
         self.head_norm_weight = nn.Parameter(torch.ones(c.n_tiers, c.d_v))
-        self.out_proj = nn.Linear(c.n_heads * c.d_v, c.d_model, bias=False)
-        self.register_buffer(
-            "log_decay", log_decay_schedule(c.n_heads, c.t_min, c.t_max), persistent=False
-        )
+        self.out_proj = LaplaceLinear(c.n_heads * c.d_v, c.d_model)
+        self.t_min, self.t_max = c.t_min, c.t_max  # the decays are fixed, not parameters
 
     def forward(self, h, window, gla_state):
         """h: [B, T, D] (LN_1 output); window [B, W, D]; gla_state [B, H, dk, dv].
@@ -265,18 +283,17 @@ class LaplaceMixer(nn.Module):
         """
         B, T, _ = h.shape
         H, dk, dv = self.n_heads, self.d_k, self.d_v
+        # computed, not a buffer: nothing to load, and nothing left uninitialised by meta-device
+        # loading (H numbers per call)
+        log_decay = log_decay_schedule(H, self.t_min, self.t_max).to(h.device)
         u, window = causal_conv(h, window, self.conv_weight, self.conv_bias)
         q, k, v, g = self.qkvg_proj(u).split([H * dk, H * dk, H * dv, H * dv], dim=-1)
         q, k, v = q.view(B, T, H, dk), k.view(B, T, H, dk), v.view(B, T, H, dv)
         if T == 1:
-            o, gla_state = gla_step(
-                q[:, 0], k[:, 0], v[:, 0], self.log_decay, gla_state, self.scale
-            )
+            o, gla_state = gla_step(q[:, 0], k[:, 0], v[:, 0], log_decay, gla_state, self.scale)
             o = o[:, None]  # [B, 1, H, dv]
         else:
-            o, gla_state = gla_chunked(
-                q, k, v, self.log_decay, gla_state, self.scale, self.chunk_size
-            )
+            o, gla_state = gla_chunked(q, k, v, log_decay, gla_state, self.scale, self.chunk_size)
         # self-augmentation: o += sigmoid(sum_i q_i a_i k_i) v   (fp32)
         aug = torch.sigmoid((q.to(f32) * self.aug_balance.to(f32) * k.to(f32)).sum(-1, True))
         o = o + aug * v.to(f32)  # [B, T, H, dv]
@@ -290,8 +307,8 @@ class LaplaceMixer(nn.Module):
 class LaplaceMLP(nn.Module):
     def __init__(self, config: LaplaceConfig):
         super().__init__()
-        self.w12 = nn.Linear(config.d_model, 2 * config.ffn_dim, bias=False)  # [W_1; W_2]
-        self.w3 = nn.Linear(config.ffn_dim, config.d_model, bias=False)
+        self.w12 = LaplaceLinear(config.d_model, 2 * config.ffn_dim)  # [W_1; W_2]
+        self.w3 = LaplaceLinear(config.ffn_dim, config.d_model)
 
     def forward(self, x):
         gate, up = self.w12(x).chunk(2, dim=-1)
@@ -363,7 +380,7 @@ class LaplaceForCausalLM(LaplacePreTrainedModel):
     def __init__(self, config: LaplaceConfig):
         super().__init__(config)
         self.model = LaplaceModel(config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = LaplaceLinear(config.d_model, config.vocab_size)
         self.post_init()
         ours = {n: tuple(p.shape) for n, p in self.named_parameters()}
         names.check_tensors(config, ours, side="LaplaceForCausalLM parameters vs export/names.py")
@@ -398,7 +415,6 @@ class LaplaceForCausalLM(LaplacePreTrainedModel):
         with torch.no_grad():
             for name, t in tensors.items():
                 params[name].copy_(t.to(f32))
-        model.model.layers.apply(_reset_buffers(config))
         return model.to(dtype).eval()
 
     # ---- greedy generation with an explicit state -------------------------------------------
@@ -429,21 +445,14 @@ class LaplaceForCausalLM(LaplacePreTrainedModel):
         return torch.stack(out, 1).tolist()
 
 
-def _reset_buffers(config):
-    def fn(m):
-        if isinstance(m, LaplaceMixer):
-            m.log_decay = log_decay_schedule(config.n_heads, config.t_min, config.t_max)
-
-    return fn
-
-
 class DecodeRunner:
     """One decode step for a batch, optionally compiled, with batch-width padding.
 
     Compiled code specialises on the batch width; padding each batch up to the next of a few
-    fixed widths (zero state rows, token 0) bounds the number of compiled shapes, and since rows
-    never interact the real rows' results are those of the unpadded batch. `compile=False` with
-    `widths=None` is plain eager decoding, for exact reproducibility.
+    fixed widths (zero state rows, token 0) bounds the number of compiled shapes. Padding turns
+    on the row-exact matmuls (`LaplaceLinear`), so rows never interact, not even through BLAS
+    blocking: the real rows of a padded batch are bit-identical to the unpadded batch's.
+    `compile=False, widths=None` is plain eager decoding.
     """
 
     def __init__(
@@ -452,10 +461,12 @@ class DecodeRunner:
         *,
         compile: bool = False,
         widths: tuple[int, ...] | None = None,
+        row_exact: bool | None = None,
         backend: str = "inductor",
     ):
         self.model = model
         self.widths = tuple(sorted(widths)) if widths else None
+        self.row_exact = bool(widths) if row_exact is None else row_exact
         self.shapes_seen: set[int] = set()
         fn = self._step
         self.fn = torch.compile(fn, dynamic=False, backend=backend) if compile else fn
@@ -481,6 +492,9 @@ class DecodeRunner:
         if w > n:
             tokens = torch.cat([tokens, tokens.new_zeros(w - n)])
             state = state.padded(w)
+        for m in self.model.modules():
+            if isinstance(m, LaplaceLinear):
+                m.row_exact = self.row_exact
         logits, gla, conv = self.fn(tokens, tuple(state.gla), tuple(state.conv))
         state = LaplaceState(list(gla), list(conv))
         return logits[:n], (state.select(slice(0, n)) if w > n else state)

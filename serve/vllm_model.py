@@ -35,7 +35,6 @@ from serve.modeling_laplace import (
     LaplaceLayerNorm,
     LaplaceMixer,
     LaplaceMLP,
-    log_decay_schedule,
 )
 
 f32 = torch.float32
@@ -206,10 +205,4 @@ class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
                 if name in params and tuple(params[name].shape) == tuple(w.shape):
                     params[name].copy_(w.to(params[name].dtype))
             names.check_tensors(self.config, got, side="vLLM load_weights")
-            for m in self.modules():  # fixed decays: computed, never loaded
-                if isinstance(m, LaplaceMixer):
-                    c = self.config
-                    m.log_decay = log_decay_schedule(c.n_heads, c.t_min, c.t_max).to(
-                        self.lm_head.weight.device
-                    )
         return set(got)
