@@ -1,0 +1,280 @@
+"""`python -m bench.muon`: Muon's collective traffic (gather vs a2a) and step time, side by side.
+
+1. `laplace-3b` on a 64-device mesh (simulated CPU devices, abstract arrays: nothing of 3B size
+   is allocated): the whole optimizer update (Muon + AdamW) is lowered with explicit shardings
+   and compiled in both modes; the bytes each device sends and receives are read off the
+   compiled HLO's collectives and checked against the analytic count of `laplace_jax.muon`.
+   XLA's CPU backend widens bf16 collectives to f32 when it compiles them, so the HLO's element
+   counts are converted at the program's own dtype (bf16, what a Trainium or GPU run sends); the
+   f32 bytes of the CPU program are kept in the raw data.
+2. Newton-Schulz FLOPs as a share of a training step's (6 x parameters x 524,288 tokens, the
+   write-up's count), and what one device executes in each mode.
+3. `small` on 8 devices: optimizer-step time of `gather` and `a2a`, alternated in one run.
+
+Writes bench/results/muon.json.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=64"
+    ).strip()
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.common import write_result  # noqa: E402
+from laplace_jax import muon  # noqa: E402
+from laplace_jax.accounting import parameter_counts, training_flops_per_token  # noqa: E402
+from laplace_jax.config import PRESETS  # noqa: E402
+from laplace_jax.model import abstract_params, init_params  # noqa: E402
+from laplace_jax.optim import (  # noqa: E402
+    OPTIMIZER_PRESETS,
+    make_optimizer,
+    muon_plan,
+    opt_state_shardings,
+)
+from laplace_jax.sharding import make_mesh, param_shardings  # noqa: E402
+
+TOKENS_PER_STEP = 524_288  # 256 x 2,048 (DESIGN.md s4)
+COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
+ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s32": 4, "u32": 4, "pred": 1}
+
+
+def hlo_collectives(hlo: str, n: int) -> list[dict]:
+    """Every collective instruction of a compiled module: kind, dtype, elements per device,
+    group size, and the elements one device sends and receives (excluding its own share)."""
+    out = []
+    for line in hlo.splitlines():
+        m = re.match(
+            r"\s*(?:ROOT )?%?\S+ = (.*?) (" + "|".join(COLLECTIVES) + r")(?:-start)?\(", line
+        )
+        if not m:
+            continue
+        types, kind = m.groups()
+        shapes = re.findall(r"(\w+)\[([\d,]*)\]", types)
+        elems = sum(math.prod(int(d) for d in dims.split(",") if d) for _, dims in shapes)
+        dtypes = {t for t, _ in shapes}
+        groups = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
+        iota = re.search(r"replica_groups=\[\d+,(\d+)\]", line)
+        g = len(groups.group(1).split(",")) if groups else int(iota.group(1)) if iota else n
+        if kind in ("all-to-all", "all-gather"):  # result: whole buffer; own 1/g stays home
+            moved = (g - 1) * elems // g
+            sent, recv = moved, moved
+        elif kind == "all-reduce":  # ring reduce-scatter + all-gather
+            sent = recv = 2 * (g - 1) * elems // g
+        elif kind == "reduce-scatter":
+            sent = recv = (g - 1) * elems
+        else:
+            sent = recv = elems
+        out.append(
+            {
+                "kind": kind,
+                "dtype": "/".join(sorted(dtypes)),
+                "elements": elems,
+                "group": g,
+                "sent_elements": sent,
+                "received_elements": recv,
+            }
+        )
+    return out
+
+
+def traffic_3b(n: int) -> dict:
+    cfg = PRESETS["laplace-3b"]
+    mesh = make_mesh(n)
+    shard = param_shardings(cfg, mesh)
+    abstract = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        abstract_params(cfg),
+        shard,
+    )
+    out = {}
+    for mode in ("gather", "a2a"):
+        opt = OPTIMIZER_PRESETS["laplace-3b"].replace(muon_mode=mode)
+        tx = make_optimizer(opt, abstract, mesh)
+        ss = opt_state_shardings(tx, abstract, shard)
+        state = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            jax.eval_shape(tx.init, abstract),
+            ss,
+        )
+        step = jax.jit(tx.update, in_shardings=(shard, ss, shard), out_shardings=(shard, ss))
+        t0 = time.perf_counter()
+        lowered = step.lower(abstract, state, abstract)
+        program_dtypes = sorted(
+            set(
+                re.findall(
+                    r"stablehlo\.all_(?:to_all|gather).*-> tensor<[\dx]+x(\w+)>", lowered.as_text()
+                )
+            )
+        )
+        compiled = lowered.compile()
+        compile_s = time.perf_counter() - t0
+        colls = hlo_collectives(compiled.as_text(), n)
+        plan = muon_plan(opt, abstract, mesh)
+        item = jnp.dtype(plan.dtype).itemsize
+        moved = sum(c["sent_elements"] + c["received_elements"] for c in colls)
+        compiled_bytes = sum(
+            (c["sent_elements"] + c["received_elements"]) * ITEMSIZE[c["dtype"].split("/")[0]]
+            for c in colls
+        )
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list | tuple) else cost
+        out[mode] = {
+            "collectives": {k: sum(c["kind"] == k for c in colls) for k in COLLECTIVES},
+            "collective_dtypes_in_program": program_dtypes,
+            "collective_dtypes_in_cpu_hlo": sorted({c["dtype"] for c in colls}),
+            "hlo_bytes_per_device": moved * item,
+            "hlo_bytes_per_device_as_compiled_on_cpu": compiled_bytes,
+            "analytic_bytes_per_device": plan.bytes_per_device(),
+            "ns_flops_per_device_analytic": plan.ns_flops_per_device(),
+            "compiled_flops_per_device": float(cost.get("flops", float("nan"))),
+            "compile_seconds": compile_s,
+            "raw": colls,
+        }
+        if mode == "a2a":
+            pools, rest = plan.pools()
+            out["a2a_layout"] = [
+                {
+                    "s": p.s,
+                    "w": p.w,
+                    "T": p.T,
+                    "M": p.M,
+                    "min_load_tiles": min(p.loads()),
+                    "max_load_tiles": max(p.loads()),
+                    "matrices": len(p.matrices),
+                }
+                for p in pools
+            ] + [{"gather_fallback": rest}]
+        print(
+            f"  {mode:>6}: {out[mode]['collectives']}  bytes/device HLO "
+            f"{out[mode]['hlo_bytes_per_device']:,} analytic "
+            f"{out[mode]['analytic_bytes_per_device']:,}  (compiled in {compile_s:.0f} s)"
+        )
+    return out
+
+
+def ns_share(n: int) -> dict:
+    cfg = PRESETS["laplace-3b"]
+    plan = muon_plan(OPTIMIZER_PRESETS["laplace-3b"], abstract_params(cfg))
+    ns_total = sum(muon.ns_flops(s, plan.ns_steps) for s in plan.shapes.values())
+    step_6nt = 6 * parameter_counts(cfg)["total_params"] * TOKENS_PER_STEP
+    step_full = training_flops_per_token(cfg) * TOKENS_PER_STEP
+    return {
+        "ns_flops_total": ns_total,
+        "step_flops_6NT": step_6nt,
+        "step_flops_with_gla": step_full,
+        "ns_flop_share": ns_total / step_6nt,
+        "ns_flop_share_with_gla": ns_total / step_full,
+        "ideal_ns_flops_per_device": ns_total / n,
+    }
+
+
+def time_small(repeats: int) -> dict:
+    cfg = PRESETS["small"]
+    mesh = make_mesh(8)
+    shard = param_shardings(cfg, mesh)
+    params = jax.device_put(init_params(cfg, jax.random.key(0)), shard)
+    rng = np.random.default_rng(0)
+    grads = jax.device_put(
+        jax.tree.map(lambda p: rng.standard_normal(p.shape, np.float32) * 1e-2, params), shard
+    )
+    steps = {}
+    for mode in ("gather", "a2a"):
+        opt = OPTIMIZER_PRESETS["small"].replace(muon_mode=mode)
+        tx = make_optimizer(opt, params, mesh)
+        ss = opt_state_shardings(tx, params, shard)
+        state = jax.jit(tx.init, out_shardings=ss)(params)
+        fn = jax.jit(tx.update, in_shardings=(shard, ss, shard), out_shardings=(shard, ss))
+        jax.block_until_ready(fn(grads, state, params))  # compile + warm up
+        steps[mode] = (fn, state)
+    times = {mode: [] for mode in steps}
+    for _ in range(repeats):  # alternate, so drifts in machine load hit both alike
+        for mode, (fn, state) in steps.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(grads, state, params))
+            times[mode].append(time.perf_counter() - t0)
+    med = {mode: statistics.median(t) for mode, t in times.items()}
+    for mode, t in med.items():
+        print(f"  small, 8 devices, {mode:>6}: {t * 1e3:8.1f} ms per optimizer step")
+    return {
+        "median_seconds": med,
+        "all_seconds": times,
+        "ns_dtype": OPTIMIZER_PRESETS["small"].ns_dtype,
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--devices", type=int, default=64, help="mesh size for laplace-3b")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    if jax.device_count() < args.devices:
+        raise SystemExit(f"need {args.devices} devices, have {jax.device_count()} (XLA_FLAGS)")
+    n = args.devices
+    print(f"laplace-3b, {n} devices, abstract arrays:")
+    traffic = traffic_3b(n)
+    flops = ns_share(n)
+    timing = time_small(args.repeats)
+    g, a = traffic["gather"], traffic["a2a"]
+    headline = {
+        "gather_bytes_per_device": g["hlo_bytes_per_device"],
+        "a2a_bytes_per_device": a["hlo_bytes_per_device"],
+        "traffic_ratio": g["hlo_bytes_per_device"] / a["hlo_bytes_per_device"],
+        "ns_flop_share": flops["ns_flop_share"],
+        "step_time_gather_over_a2a": timing["median_seconds"]["gather"]
+        / timing["median_seconds"]["a2a"],
+    }
+    muon_elems = parameter_counts(PRESETS["laplace-3b"])["muon_params"]
+    bound = 2 * muon_elems / (4 * max(m for m in (3072 * 16384, 3072 * 9216, 8192 * 3072)))
+    print()
+    print(f"{'':28}{'gather':>16}{'a2a':>16}")
+    print(
+        f"{'bytes/device (HLO, bf16)':28}{g['hlo_bytes_per_device']:>16,}"
+        f"{a['hlo_bytes_per_device']:>16,}"
+    )
+    print(
+        f"{'bytes/device (analytic)':28}{g['analytic_bytes_per_device']:>16,}"
+        f"{a['analytic_bytes_per_device']:>16,}"
+    )
+    print(
+        f"{'NS FLOPs/device executed':28}{g['ns_flops_per_device_analytic']:>16.3e}"
+        f"{a['ns_flops_per_device_analytic']:>16.3e}"
+    )
+    print(
+        f"{'small step time, 8 dev (ms)':28}"
+        f"{timing['median_seconds']['gather'] * 1e3:>16.1f}"
+        f"{timing['median_seconds']['a2a'] * 1e3:>16.1f}"
+    )
+    print(
+        f"traffic ratio {headline['traffic_ratio']:.2f}x (whole-matrix bound {bound:.2f}x), "
+        f"NS share {headline['ns_flop_share']:.4f}, "
+        f"step time gather/a2a {headline['step_time_gather_over_a2a']:.2f}"
+    )
+    for mode in ("gather", "a2a"):
+        assert traffic[mode]["hlo_bytes_per_device"] == traffic[mode]["analytic_bytes_per_device"]
+    path = write_result(
+        "muon",
+        headline,
+        mesh_devices_3b=n,
+        traffic_3b={k: v for k, v in traffic.items()},
+        whole_matrix_traffic_bound=bound,
+        flops=flops,
+        small_timing=timing,
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
