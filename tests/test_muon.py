@@ -308,6 +308,14 @@ def test_compiled_update_collectives_and_state_sharding(tiny_setup):
     _, state, hlo = _run("a2a", "bfloat16", tiny_setup)
     counts = _collectives(hlo)
     assert counts["all-to-all"] == 2 and counts["all-gather"] == 0, counts
+    # each all_to_all moves the static [n, T, s w / n] layout: T s w elements per device
+    pools, rest = muon.plan_tiles(_tiny_muon_shapes(), 8)
+    (pool,) = pools
+    sizes = [
+        sum(math.prod(int(d) for d in dims.split(",")) for dims in re.findall(r"\[([\d,]+)\]", t))
+        for t in re.findall(r"^\s*\S+ = (.*) all-to-all\(", hlo, re.M)
+    ]
+    assert rest == [] and sizes == [pool.T * pool.s * pool.w] * 2, sizes
     assert counts["reduce-scatter"] == 0 and counts["collective-permute"] == 0, counts
     for path, sh in flat_paths(shard).items():
         if is_muon_path(path):
