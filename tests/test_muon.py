@@ -217,7 +217,14 @@ def test_tile_plan_is_a_packing(preset, n):
         assert (pool.s, pool.w, pool.T, pool.M) == (3072, 1024, 16, 2)
         assert min(pool.loads()) > 0
         item = 2
-        assert muon.a2a_bytes_per_device(pools, item) == 4 * 63 * 16 * 3072 * 1024 * item // 64
+        a2a = muon.a2a_bytes_per_device(pools, item)
+        assert a2a == 4 * 63 * 16 * 3072 * 1024 * item // 64 == 396_361_728
+        gather = muon.gather_bytes_per_device(shapes, n, item)
+        assert gather == 2 * 63 * 2_717_908_992 * item // 64 == 10_701_766_656
+        # whole matrices on one device: the ratio is bounded by S / (2 |W_12|) = 27.0
+        assert gather / a2a == 2_717_908_992 / (2 * 3072 * 16384) == 27.0
+        # Newton-Schulz FLOPs: the write-up's 1.95e14 (2% of 9.53e15)
+        assert round(sum(muon.ns_flops(s) for s in shapes.values()) / 1e12) == 195
     if preset == "laplace-3b" and n == 8:
         assert pool.T == 108  # 864 tiles / 8: a perfect packing
 
