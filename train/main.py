@@ -313,10 +313,10 @@ def run(args) -> int:
         total=tcfg.steps, initial=start, disable=not main_proc or args.no_progress, unit="step"
     )
     window_tokens, window_time = 0, 0.0
-    last_time = None
     status = 0
     val_loss = None
     for step in range(start, tcfg.steps):
+        t_step = time.perf_counter()  # step time: data, dispatch, compute (not eval or saves)
         local = next(batches)
         if step + 1 in nan_steps:  # test hook: out-of-range ids make the loss NaN
             local = np.full_like(local, -(2**30))
@@ -324,11 +324,9 @@ def run(args) -> int:
         state, m = train_step(state, batch)
         m = jax.device_get(m)
         done = step + 1
-        now = time.perf_counter()
-        if last_time is not None:  # the first step of a process includes compilation
+        if step > start:  # the first step of a process includes compilation
             window_tokens += tokens_per_step
-            window_time += now - last_time
-        last_time = now
+            window_time += time.perf_counter() - t_step
 
         if not m["applied"]:
             say(
