@@ -444,10 +444,11 @@ class MuonPlan:
         spec = {
             p: PartitionSpec(self.axis) if p in self.sharded else PartitionSpec() for p in paths
         }
-        axis, n, steps, dtype = self.axis, self.n, self.ns_steps, self.dtype
-        mode = self.mode
+        axis, steps, dtype = self.axis, self.ns_steps, self.dtype
+        # replicated matrices: orthogonalised locally; `rest`: all-gathered (gather mode, and
+        # sharded matrices the a2a tile layout cannot take)
         pools, rest = (
-            self.pools() if mode == "a2a" else ([], [p for p in paths if p in self.sharded])
+            self.pools() if self.mode == "a2a" else ([], [p for p in paths if p in self.sharded])
         )
 
         def body(*local):
@@ -465,7 +466,6 @@ class MuonPlan:
                 out.update(_a2a_pool(pool, local, axis, steps, dtype))
             return tuple(out[p] for p in paths)
 
-        del n
         fn = jax.shard_map(
             body,
             mesh=self.mesh,
