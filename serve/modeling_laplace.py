@@ -281,27 +281,41 @@ class LaplaceMixer(nn.Module):
         T == 1 takes the O(1) recurrent step, longer inputs the chunked form.
         Returns (y [B, T, D], new window, new gla state).
         """
-        B, T, _ = h.shape
+        u, window = causal_conv(h, window, self.conv_weight, self.conv_bias)
+        q, k, v, g = self.project(u)
+        o, gla_state = self.mix(q, k, v, gla_state)
+        return self.output(o, q, k, v, g), window, gla_state
+
+    # The steps, separately: the vLLM adapter runs the conv and the GLA per sequence but the
+    # projections once over all the tokens of a step.
+    def project(self, u):
+        """u [..., D] -> q, k [..., H, dk]; v [..., H, dv]; g [..., H * dv]."""
         H, dk, dv = self.n_heads, self.d_k, self.d_v
+        q, k, v, g = self.qkvg_proj(u).split([H * dk, H * dk, H * dv, H * dv], dim=-1)
+        lead = u.shape[:-1]
+        return q.view(*lead, H, dk), k.view(*lead, H, dk), v.view(*lead, H, dv), g
+
+    def mix(self, q, k, v, gla_state):
+        """GLA over [B, T, H, *] from `gla_state`: the O(1) step if T == 1, else chunked."""
         # computed, not a buffer: nothing to load, and nothing left uninitialised by meta-device
         # loading (H numbers per call)
-        log_decay = log_decay_schedule(H, self.t_min, self.t_max).to(h.device)
-        u, window = causal_conv(h, window, self.conv_weight, self.conv_bias)
-        q, k, v, g = self.qkvg_proj(u).split([H * dk, H * dk, H * dv, H * dv], dim=-1)
-        q, k, v = q.view(B, T, H, dk), k.view(B, T, H, dk), v.view(B, T, H, dv)
-        if T == 1:
+        log_decay = log_decay_schedule(self.n_heads, self.t_min, self.t_max).to(q.device)
+        if q.shape[1] == 1:
             o, gla_state = gla_step(q[:, 0], k[:, 0], v[:, 0], log_decay, gla_state, self.scale)
-            o = o[:, None]  # [B, 1, H, dv]
-        else:
-            o, gla_state = gla_chunked(q, k, v, log_decay, gla_state, self.scale, self.chunk_size)
+            return o[:, None], gla_state  # [B, 1, H, dv]
+        return gla_chunked(q, k, v, log_decay, gla_state, self.scale, self.chunk_size)
+
+    def output(self, o, q, k, v, g):
+        """Self-augmentation, head RMSNorm, SiLU gate, output projection. o: [..., H, dv]."""
+        H, dv = self.n_heads, self.d_v
         # self-augmentation: o += sigmoid(sum_i q_i a_i k_i) v   (fp32)
         aug = torch.sigmoid((q.to(f32) * self.aug_balance.to(f32) * k.to(f32)).sum(-1, True))
-        o = o + aug * v.to(f32)  # [B, T, H, dv]
+        o = o + aug * v.to(f32)
         # head RMSNorm, one scale per tier of contiguous heads
         o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + self.eps)
         o = o * self.head_norm_weight.to(f32).repeat_interleave(H // self.n_tiers, dim=0)
-        y = o.reshape(B, T, H * dv).to(h.dtype) * F.silu(g)
-        return self.out_proj(y), window, gla_state
+        y = o.reshape(*o.shape[:-2], H * dv).to(g.dtype) * F.silu(g)
+        return self.out_proj(y)
 
 
 class LaplaceMLP(nn.Module):

@@ -23,8 +23,10 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 from vllm.utils.torch_utils import direct_register_custom_op
@@ -35,6 +37,7 @@ from serve.modeling_laplace import (
     LaplaceLayerNorm,
     LaplaceMixer,
     LaplaceMLP,
+    causal_conv,
 )
 
 f32 = torch.float32
@@ -45,12 +48,31 @@ def state_shapes(cfg) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (cfg.n_heads, cfg.d_k, cfg.d_v), (cfg.conv_width, cfg.d_model)
 
 
+class VLLMLinear(ReplicatedLinear):
+    """vLLM's own linear layer, called like nn.Linear (any leading dims, no bias).
+
+    After loading, vLLM's CPU backend packs its weight for oneDNN, which is much faster than
+    plain torch GEMMs at decode batch sizes. The parameter is still named `weight`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, prefix: str):
+        super().__init__(in_features, out_features, bias=False, prefix=prefix)
+
+    def forward(self, x):
+        y, _ = super().forward(x.reshape(-1, x.shape[-1]))
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
 class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
     """The token mixer as a vLLM state layer; `self.kv_cache` = (gla pages, conv pages)."""
 
     def __init__(self, config, prefix: str):
         LaplaceMixer.__init__(self, config)
         self.config = config
+        c = config
+        qkvg = c.n_heads * (2 * c.d_k + 2 * c.d_v)
+        self.qkvg_proj = VLLMLinear(c.d_model, qkvg, prefix=f"{prefix}.qkvg_proj")
+        self.out_proj = VLLMLinear(c.n_heads * c.d_v, c.d_model, prefix=f"{prefix}.out_proj")
         self.prefix = prefix
         vllm_config = get_current_vllm_config()
         ctx = vllm_config.compilation_config.static_forward_context
@@ -91,29 +113,48 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
             return
         gla_pages, conv_pages = self.kv_cache
         nd, npf = meta.num_decodes, meta.num_prefills
+        n = meta.num_decode_tokens + meta.num_prefill_tokens  # beyond n: padding, left at 0
         slots = meta.state_indices_tensor.long()
-        if nd > 0:  # decode: one token per sequence, batched
-            s = slots[:nd]
-            fresh = (meta.seq_lens[:nd] <= 1).view(nd, 1, 1)  # first token of a sequence
-            gla = torch.where(fresh[..., None], 0.0, gla_pages[s])
-            conv = torch.where(fresh, 0.0, conv_pages[s])
-            y, conv, gla = LaplaceMixer.forward(self, h[:nd, None], conv, gla)
-            gla_pages[s] = gla
-            conv_pages[s] = conv
-            out[:nd] = y[:, 0]
         qsl = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
-        for i in range(nd, nd + npf):  # prefill: each sequence from its own page
-            start, end, slot = qsl[i], qsl[i + 1], int(slots[i])
-            if seq_lens[i] == end - start:  # no context yet: the sequence starts here
-                gla = h.new_zeros(1, *gla_pages.shape[1:], dtype=f32)
-                conv = h.new_zeros(1, *conv_pages.shape[1:], dtype=f32)
-            else:  # chunked prefill continues from the saved state
-                gla, conv = gla_pages[slot : slot + 1], conv_pages[slot : slot + 1]
-            y, conv, gla = LaplaceMixer.forward(self, h[None, start:end], conv, gla)
-            gla_pages[slot] = gla[0]
+        w, b = self.conv_weight, self.conv_bias
+        dec = slots[:nd]
+        # a decode row with seq_len 1 is the first token of its sequence: its page is stale
+        fresh = (meta.seq_lens[:nd] <= 1).view(nd, 1, 1)
+        prefills = []  # (start, end, slot, starts_here)
+        for i in range(nd, nd + npf):
+            prefills.append((qsl[i], qsl[i + 1], int(slots[i]), seq_lens[i] == qsl[i + 1] - qsl[i]))
+
+        # 1. causal conv, per sequence (its window is in its page); decodes batched
+        us = []
+        if nd:
+            u, conv = causal_conv(h[:nd, None], torch.where(fresh, 0.0, conv_pages[dec]), w, b)
+            conv_pages[dec] = conv
+            us.append(u[:, 0])
+        for start, end, slot, new in prefills:
+            conv = conv_pages[slot : slot + 1]
+            u, conv = causal_conv(h[None, start:end], torch.zeros_like(conv) if new else conv, w, b)
             conv_pages[slot] = conv[0]
-            out[start:end] = y[0]
+            us.append(u[0])
+        # 2. projections once over all tokens of the step
+        q, k, v, g = self.project(torch.cat(us))  # [n, H, dk], [n, H, dk], [n, H, dv], [n, H dv]
+        # 3. GLA, per sequence from its page; decodes batched (O(1) step)
+        os = []
+        if nd:
+            gla = torch.where(fresh[..., None], 0.0, gla_pages[dec])
+            o, gla = self.mix(q[:nd, None], k[:nd, None], v[:nd, None], gla)
+            gla_pages[dec] = gla
+            os.append(o[:, 0])
+        for start, end, slot, new in prefills:
+            gla = gla_pages[slot : slot + 1]
+            o, gla = self.mix(
+                q[None, start:end], k[None, start:end], v[None, start:end],
+                torch.zeros_like(gla) if new else gla,
+            )  # fmt: skip
+            gla_pages[slot] = gla[0]
+            os.append(o[0])
+        # 4. augmentation, head norm, gate, output projection over all tokens
+        out[:n] = self.output(torch.cat(os), q, k, v, g)
 
 
 def laplace_mixer(h: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
@@ -141,15 +182,20 @@ class LaplaceVLLMDecoderLayer(nn.Module):
         self.mixer = LaplaceVLLMMixer(config, prefix=f"{prefix}.mixer")
         self.ln_2 = LaplaceLayerNorm(config.d_model, config.norm_eps)
         self.mlp = LaplaceMLP(config)
+        self.mlp.w12 = VLLMLinear(config.d_model, 2 * config.ffn_dim, prefix=f"{prefix}.mlp.w12")
+        self.mlp.w3 = VLLMLinear(config.ffn_dim, config.d_model, prefix=f"{prefix}.mlp.w3")
 
     def forward(self, x):  # x: [N, D]
         x = x + self.mixer(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 
+# vLLM compile mode only (eager otherwise): traced once with a symbolic token count
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0})
 class LaplaceVLLMModel(nn.Module):
-    def __init__(self, config, prefix: str):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
+        config = vllm_config.model_config.hf_config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(
             LaplaceVLLMDecoderLayer(config, prefix=f"{prefix}.layers.{i}")
@@ -157,7 +203,13 @@ class LaplaceVLLMModel(nn.Module):
         )
         self.norm = LaplaceLayerNorm(config.d_model, config.norm_eps)
 
-    def forward(self, x):
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x)
         return self.norm(x)
@@ -178,8 +230,10 @@ class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
-        self.model = LaplaceVLLMModel(config, prefix=f"{prefix}.model" if prefix else "model")
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.model = LaplaceVLLMModel(
+            vllm_config=vllm_config, prefix=f"{prefix}.model" if prefix else "model"
+        )
+        self.lm_head = VLLMLinear(config.d_model, config.vocab_size, prefix="lm_head")
         ours = {n: tuple(p.shape) for n, p in self.named_parameters()}
         names.check_tensors(config, ours, side="vLLM Laplace parameters vs export/names.py")
 
@@ -189,8 +243,7 @@ class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
     def forward(
         self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs
     ):
-        x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        return self.model(x)
+        return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states).to(f32)
