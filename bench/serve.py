@@ -90,59 +90,75 @@ def _timed_generate(llm, prompts, max_tokens: int) -> tuple[float, int]:
     return dt, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def throughput_vs_concurrency(llm, vocab, levels, prompt_len, new_tokens) -> list[dict]:
+def throughput_vs_concurrency(llm, vocab, levels, prompt_len, new_tokens, repeats) -> list[dict]:
+    """Output tokens/s of `n` concurrent requests (prefill included); median of `repeats`."""
     rows = []
     _timed_generate(llm, _prompts(2, prompt_len, vocab, 0), 4)  # warm-up
     for n in levels:
-        dt, toks = _timed_generate(llm, _prompts(n, prompt_len, vocab, n), new_tokens)
-        rows.append({"concurrency": n, "seconds": dt, "output_tokens": toks,
-                     "tokens_per_s": toks / dt})  # fmt: skip
-        print(f"  concurrency {n:3d}: {toks / dt:9.1f} output tokens/s ({dt:.2f} s)", flush=True)
+        runs = [_timed_generate(llm, _prompts(n, prompt_len, vocab, n + r), new_tokens)
+                for r in range(repeats)]  # fmt: skip
+        tps = [toks / dt for dt, toks in runs]
+        rows.append(
+            {
+                "concurrency": n,
+                "output_tokens": runs[0][1],
+                "tokens_per_s": statistics.median(tps),
+                "samples_tokens_per_s": tps,
+            }
+        )
+        print(f"  concurrency {n:3d}: {statistics.median(tps):9.1f} output tokens/s", flush=True)
     return rows
 
 
-def _decode_cost_once(llm, vocab, prompt_len, n_seqs, new_tokens, tag) -> float:
+def _decode_cost_once(llm, vocab, prompt_len, n_seqs, new_tokens, seed: int) -> list[float]:
     """Seconds per output token of pure decode steps at a context of `prompt_len` tokens.
 
-    Requests go in through the engine's step API; once every sequence has its first token
-    (the prefill, chunked by vLLM, is over), the next `new_tokens` steps are decode-only and
-    are timed.
+    Requests go in through the engine's step API. vLLM prefills long prompts in chunks, one
+    sequence after another, so sequences start decoding at different steps: nothing is timed
+    until every sequence has its first token, no sequence may finish inside the timed window
+    (max_tokens has a wide margin; the rest is aborted), and each step's time is divided by the
+    number of tokens that step produced.
     """
     from vllm import SamplingParams
 
     engine = llm.llm_engine
     sp = SamplingParams(
-        max_tokens=new_tokens + 2, temperature=0.0, ignore_eos=True, detokenize=False
+        max_tokens=new_tokens + 256, temperature=0.0, ignore_eos=True, detokenize=False
     )
-    ids = [f"cost-{tag}-{prompt_len}-{i}" for i in range(n_seqs)]
-    for rid, p in zip(ids, _prompts(n_seqs, prompt_len, vocab, hash(tag) % 1000), strict=True):
+    ids = [f"cost-{seed}-{prompt_len}-{i}" for i in range(n_seqs)]
+    for rid, p in zip(ids, _prompts(n_seqs, prompt_len, vocab, seed), strict=True):
         engine.add_request(rid, {"prompt_token_ids": p}, sp)
     started: set[str] = set()
     while len(started) < n_seqs:  # prefill (all chunks) until every sequence has a token
         started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
-    t0 = time.perf_counter()
+    steps = []  # seconds per output token, step by step
     for _ in range(new_tokens):
-        engine.step()
-    dt = (time.perf_counter() - t0) / (n_seqs * new_tokens)
+        t0 = time.perf_counter()
+        produced = len(engine.step())  # one token per running sequence
+        steps.append((time.perf_counter() - t0) / max(produced, 1))
+        assert produced == n_seqs, produced
+    engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    return dt
+    return steps
 
 
 def cost_per_output_token(llm, vocab, prompt_lens, n_seqs, new_tokens, repeats) -> list[dict]:
-    """Median decode cost per output token for each prompt length; the lengths are measured
-    interleaved (2k, 8k, 2k, 8k, ...) so that load from other processes hits both alike."""
+    """Decode cost per output token for each prompt length: the median over every timed
+    decode step of all repeats (robust to load from other processes on a shared machine);
+    the lengths are measured interleaved (2k, 8k, 2k, 8k, ...) so that such load hits both."""
     samples: dict[int, list[float]] = {p: [] for p in prompt_lens}
     for r in range(repeats):
         for p in prompt_lens:
-            samples[p].append(_decode_cost_once(llm, vocab, p, n_seqs, new_tokens, f"r{r}"))
+            samples[p] += _decode_cost_once(llm, vocab, p, n_seqs, new_tokens, 1000 + r)
     return [
         {
             "prompt_len": p,
             "seqs": n_seqs,
             "decode_steps": new_tokens,
             "seconds_per_output_token": statistics.median(samples[p]),
-            "samples": samples[p],
+            "min_seconds_per_output_token": min(samples[p]),
+            "step_samples": samples[p],
         }
         for p in prompt_lens
     ]
@@ -243,6 +259,7 @@ def main(argv=None) -> int:
     max_len = long_p + 128
     new_tok = 16 if q else 64
     cost_tokens, cost_seqs, repeats = (8, 2, 1) if q else (32, 4, 5)
+    tp_repeats = 1 if q else 3
     levels = (1, 8, 32, 64)
 
     from serve.vllm_adapter import make_llm
@@ -264,7 +281,7 @@ def main(argv=None) -> int:
     print(f"  state per sequence: measured {measured['bytes_per_seq']:,} B on vLLM's pages, "
           f"computed {computed:,} B", flush=True)  # fmt: skip
     results["laplace_throughput"] = throughput_vs_concurrency(
-        llm, cfg["vocab_size"], levels, 64, new_tok
+        llm, cfg["vocab_size"], levels, 64, new_tok, tp_repeats
     )
     results["laplace_cost"] = cost_per_output_token(
         llm, cfg["vocab_size"], (short_p, long_p), cost_seqs, cost_tokens, repeats
@@ -286,7 +303,7 @@ def main(argv=None) -> int:
         try:
             lm = make_llm(str(llama_dir), max_model_len=max_len, max_num_seqs=64)
             results["llama_throughput"] = throughput_vs_concurrency(
-                lm, cfg["vocab_size"], levels, 64, new_tok
+                lm, cfg["vocab_size"], levels, 64, new_tok, tp_repeats
             )
             results["llama_cost"] = cost_per_output_token(
                 lm, cfg["vocab_size"], (short_p, long_p), cost_seqs, cost_tokens, repeats

@@ -16,6 +16,7 @@ and the writer are testable and reusable without a checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import struct
 from collections.abc import Mapping
@@ -68,7 +69,8 @@ def read_checkpoint(checkpoint_dir: str | Path, step: int | None = None):
             raise ExportError(
                 f"checkpoint {step_dir} has no 'params' item (items: {', '.join(items)})"
             )
-        restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))
+        # PyTreeRestore without a target gives numpy arrays: host memory only, one copy
+        restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore()))
         params = _to_numpy(restored["params"])
         meta = None
         if (step_dir / "meta").exists():
@@ -117,16 +119,40 @@ def check_params(cfg: Any, flat: Mapping[str, np.ndarray]) -> None:
         raise ExportError("checkpoint parameters do not match the config: " + "; ".join(problems))
 
 
-def convert(cfg: Any, params: Mapping, dtype: str = "fp32") -> dict[str, np.ndarray]:
-    """Flax params (nested or flat) -> {exported name: array in exported layout and dtype}."""
+class ConvertedTensors(Mapping):
+    """{exported name: array in exported layout and dtype}, converted when read.
+
+    Writing reads each tensor once, so an export holds the checkpoint plus one converted
+    tensor at a time (3B in fp32: 12 GB, not 24 GB).
+    """
+
+    def __init__(self, cfg: Any, flat: Mapping[str, np.ndarray], dtype: str):
+        self.entries = {e.name: e for e in names.table(cfg)}
+        self.flat = flat
+        self.dtype = np.dtype(_np_dtype(dtype))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        e = self.entries[name]
+        x = e.to_exported(np.asarray(self.flat[e.jax_path], dtype=np.float32))
+        return np.ascontiguousarray(x.astype(self.dtype))
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
+        """Shape and dtype without converting."""
+        return self.entries[name].shape, self.dtype
+
+
+def convert(cfg: Any, params: Mapping, dtype: str = "fp32") -> ConvertedTensors:
+    """Flax params (nested or flat) -> exported tensors (lazy), after checking every one."""
     flat = flatten(params)  # flat `/` paths pass through unchanged
     check_params(cfg, flat)
-    np_dtype = _np_dtype(dtype)
-    out = {}
-    for e in names.table(cfg):
-        x = e.to_exported(np.asarray(flat[e.jax_path], dtype=np.float32))
-        out[e.name] = np.ascontiguousarray(x.astype(np_dtype))
-    names.check_tensors(cfg, {k: v.shape for k, v in out.items()}, side="export")
+    out = ConvertedTensors(cfg, flat, dtype)
+    names.check_tensors(cfg, {k: out.spec(k)[0] for k in out}, side="export")
     return out
 
 
@@ -145,18 +171,32 @@ def _np_dtype(dtype: str):
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
-def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray], metadata=None) -> None:
+def _spec(tensors: Mapping, name: str) -> tuple[tuple[int, ...], np.dtype]:
+    if hasattr(tensors, "spec"):
+        return tensors.spec(name)
+    x = tensors[name]
+    return tuple(x.shape), np.dtype(x.dtype)
+
+
+def _nbytes(tensors: Mapping, name: str) -> int:
+    shape, dtype = _spec(tensors, name)
+    return math.prod(shape) * dtype.itemsize
+
+
+def write_safetensors(path: Path, tensors: Mapping, names_: list[str], metadata=None) -> None:
     """Minimal safetensors writer (8-byte header length, JSON header, raw little-endian data).
 
-    Written here rather than with `safetensors.numpy` so bf16 (ml_dtypes) needs no torch.
+    Written here rather than with `safetensors.numpy` so bf16 (ml_dtypes) needs no torch, and
+    so tensors are converted and written one at a time.
     """
     header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
-    for name, x in tensors.items():
-        n = x.nbytes
+    for name in names_:
+        shape, dtype = _spec(tensors, name)
+        n = _nbytes(tensors, name)
         header[name] = {
-            "dtype": _ST_DTYPES[np.dtype(x.dtype).name],
-            "shape": list(x.shape),
+            "dtype": _ST_DTYPES[dtype.name],
+            "shape": list(shape),
             "data_offsets": [offset, offset + n],
         }
         offset += n
@@ -165,28 +205,31 @@ def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray], metadata=No
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for x in tensors.values():
-            f.write(np.ascontiguousarray(x).tobytes())
+        for name in names_:
+            x = np.ascontiguousarray(tensors[name])
+            assert x.nbytes == header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+            f.write(x.tobytes())
 
 
-def write_weights(out_dir: Path, tensors: Mapping[str, np.ndarray], max_shard_bytes: int) -> None:
+def write_weights(out_dir: Path, tensors: Mapping, max_shard_bytes: int) -> None:
     """One model.safetensors, or shards plus model.safetensors.index.json above the limit."""
-    total = sum(x.nbytes for x in tensors.values())
+    total = sum(_nbytes(tensors, name) for name in tensors)
     if total <= max_shard_bytes:
-        write_safetensors(out_dir / "model.safetensors", tensors)
+        write_safetensors(out_dir / "model.safetensors", tensors, list(tensors))
         return
-    shards: list[dict[str, np.ndarray]] = [{}]
+    shards: list[list[str]] = [[]]
     size = 0
-    for name, x in tensors.items():
-        if shards[-1] and size + x.nbytes > max_shard_bytes:
-            shards.append({})
+    for name in tensors:
+        n = _nbytes(tensors, name)
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
             size = 0
-        shards[-1][name] = x
-        size += x.nbytes
+        shards[-1].append(name)
+        size += n
     weight_map = {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(out_dir / fname, shard)
+        write_safetensors(out_dir / fname, tensors, shard)
         weight_map.update({name: fname for name in shard})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
