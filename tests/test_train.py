@@ -99,6 +99,10 @@ def test_tiny_model_learns_structured_data(shards, tmp_path):
     ]
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["model"] == CFG.to_dict() and cfg["batch"]["sequences"] == 8
+    from train.plot import plot
+
+    png = plot(run)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_sigkill_between_checkpoints_then_resume_gives_the_same_losses(shards, tmp_path):

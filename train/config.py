@@ -15,14 +15,14 @@ from laplace_jax.config import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 150  # optimizer steps of the run (the end step when resuming)
+    steps: int = 120  # optimizer steps of the run (the end step when resuming)
     global_batch_tokens: int = 4_096  # tokens per optimizer step, all devices and hosts together
     micro_batch_size: int = 0  # sequences per accumulation step, all devices; 0 = whole batch
     seed: int = 0  # parameter init and data order
     log_every: int = 10  # steps between metrics.jsonl lines (and progress-bar updates)
-    eval_every: int = 50  # steps between validation losses; 0 = only at the end
+    eval_every: int = 40  # steps between validation losses; 0 = only at the end
     eval_batches: int = 4  # validation batches (of the micro-batch size) per evaluation
-    ckpt_every: int = 50  # steps between checkpoints (and one at the end)
+    ckpt_every: int = 40  # steps between checkpoints (and one at the end)
     keep_checkpoints: int = 3  # keep the last N
     async_checkpoints: bool = True  # save in the background while training goes on
     grad_clip: float = 1.0  # clip the global gradient norm; 0 = off

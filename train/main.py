@@ -293,6 +293,7 @@ def run(args) -> int:
         (run_dir / "config.json").write_text(json.dumps(run_config, indent=2))
     meta = {k: run_config[k] for k in ("model", "optimizer", "train", "tokenizer")}
     meta["tokenizer_source"] = run_config["tokenizer_source"]
+    meta["config"] = meta["model"]  # the name export/ looks for first
     metrics = Metrics(run_dir, start, main_proc)
 
     flops_per_token = training_flops_per_token(model_cfg)
@@ -340,7 +341,18 @@ def run(args) -> int:
         elif is_last and val_batches:
             val_loss = _evaluate(eval_step, state["params"], val_batches, mesh, M, model_cfg)
 
-        if done % tcfg.log_every == 0 or is_last or val_loss is not None or not m["applied"]:
+        first = step == start
+        if (
+            done % tcfg.log_every == 0
+            or first
+            or is_last
+            or val_loss is not None
+            or not m["applied"]
+        ):
+            if not tcfg.peak_flops and not first:
+                # the best matmul rate seen so far: on a shared machine a busy moment at start
+                # would otherwise overstate MFU
+                peak = max(peak, measure_matmul_flops(mesh, reps=2))
             tps = window_tokens / window_time if window_time > 0 else float("nan")
             record = {
                 "step": done,

@@ -11,6 +11,7 @@ step counter (it is also the data position and the checkpoint number).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -165,12 +166,8 @@ def make_eval_step(model: LaplaceLM, mesh: Mesh, param_shardings):
     )
 
 
-def measure_matmul_flops(mesh: Mesh, size: int = 1024, reps: int = 5) -> float:
-    """fp32 matmul FLOP/s of all mesh devices together, measured now (the MFU denominator).
-
-    Every device multiplies its own [size, size] pair at the same time, so simulated devices
-    sharing CPU cores are not counted twice.
-    """
+@functools.lru_cache(maxsize=4)
+def _matmul_probe(mesh: Mesh, size: int):
     n = mesh.shape[FSDP]
     sharding = NamedSharding(mesh, PartitionSpec(FSDP))
     a = jax.device_put(
@@ -178,6 +175,17 @@ def measure_matmul_flops(mesh: Mesh, size: int = 1024, reps: int = 5) -> float:
     )
     f = jax.jit(lambda x: jnp.einsum("nij,njk->nik", x, x), out_shardings=sharding)
     f(a).block_until_ready()
+    return f, a
+
+
+def measure_matmul_flops(mesh: Mesh, size: int = 1024, reps: int = 5) -> float:
+    """fp32 matmul FLOP/s of all mesh devices together, measured now (the MFU denominator).
+
+    Every device multiplies its own [size, size] pair at the same time, so simulated devices
+    sharing CPU cores are not counted twice.
+    """
+    n = mesh.shape[FSDP]
+    f, a = _matmul_probe(mesh, size)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
