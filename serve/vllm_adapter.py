@@ -122,7 +122,11 @@ def serve(args) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m serve.vllm_adapter", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m serve.vllm_adapter",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--model", required=True, help="exported model folder")
     ap.add_argument("--prompt", action="append", default=[], help="offline prompt (repeatable)")
     ap.add_argument(
