@@ -3,8 +3,7 @@
     # OpenAI-compatible server on 127.0.0.1 (stop it by its process id)
     python -m serve.vllm_adapter --model exported/ --port 8000
     # offline generation: one completion per --prompt
-    python -m serve.vllm_adapter --model exported/ --prompt "Once upon" --max-tokens 32 \
-        --temperature 0 [--json]
+    python -m serve.vllm_adapter --model exported/ --prompt "Once upon" --max-tokens 32 --json
 
 The model class is `serve/vllm_model.py`; it is registered by `serve/vllm_plugin.py` (the
 `vllm.general_plugins` entry point, so any vLLM process finds it; registered here too).
