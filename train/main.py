@@ -396,8 +396,14 @@ def run(args) -> int:
     ckpt.close()
     metrics.close()
 
-    if status == 0 and tcfg.sample_tokens and tokenizer_src is not None and main_proc:
-        print_sample(state["params"], model_cfg, tokenizer_src, tcfg)
+    if status == 0 and tcfg.sample_tokens and tokenizer_src is not None:
+        params = state["params"]
+        if nproc > 1:  # the params span several hosts: gather a full copy (a collective)
+            from jax.experimental import multihost_utils
+
+            params = multihost_utils.process_allgather(params, tiled=True)
+        if main_proc:
+            print_sample(params, model_cfg, tokenizer_src, tcfg)
     return status
 
 
