@@ -13,12 +13,14 @@ Writes bench/results/gla.json and gla.png (time per token vs T).
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import RESULTS, median_time, write_result
+from bench.common import RESULTS, write_result
 from laplace_jax.config import PRESETS
 from laplace_jax.gla import gla_chunked, gla_recurrent
 from laplace_jax.model import log_decay_schedule
@@ -60,17 +62,19 @@ KERNELS = {
 }
 
 
-def time_jax(name, T, repeats):
+def jax_runner(name, T):
+    """A zero-argument call of one kernel's forward+backward at length T, compiled and warm."""
     q, k, v, w = inputs(T)
     step = KERNELS[name]
 
     def run():
         jax.block_until_ready(step(q, k, v, w))
 
-    return median_time(run, repeats=repeats)
+    run()
+    return run
 
 
-def time_fla(T, repeats):
+def fla_runner(T):
     import torch
 
     from bench.fla_reference import load_fla_naive
@@ -85,7 +89,22 @@ def time_fla(T, repeats):
         (o * w).sum().backward()
         q.grad = k.grad = v.grad = None
 
-    return median_time(run, repeats=repeats)
+    run()
+    return run
+
+
+def interleaved_times(runners: dict, repeats: int) -> dict:
+    """Each runner once per round, rounds repeated: {name: [seconds, ...]}.
+
+    The machine is shared: other load only ever adds time, so interleaving spreads it over all
+    kernels alike and the minimum of each is the least disturbed measurement."""
+    times = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, run in runners.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def plot(results, path):
@@ -112,14 +131,11 @@ def plot(results, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="512,1024,2048,4096,8192,16384")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-recurrent", type=int, default=16384)
-    ap.add_argument(
-        "--max-softmax",
-        type=int,
-        default=8192,
-        help="softmax scores are O(T^2) memory: 16k would need ~34 GB",
-    )
+    ap.add_argument("--repeats", type=int, default=5)
+    # the recurrent reference's backward keeps every token's state (T x 1.2 MB here: 19 GB at
+    # 16k) and softmax keeps T^2 scores per head (4.3 GB at 8k, several copies in the backward)
+    ap.add_argument("--max-recurrent", type=int, default=4096)
+    ap.add_argument("--max-softmax", type=int, default=4096)
     ap.add_argument("--max-fla", type=int, default=16384)
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -131,20 +147,22 @@ def main(argv=None):
     }
 
     results = {name: [] for name in limits}
-    print(f"{'T':>7} " + " ".join(f"{n:>14}" for n in limits) + "   (ms, forward+backward)")
+    print(f"{'T':>7} " + " ".join(f"{n:>14}" for n in limits) + "   (ms, forward+backward, min)")
     for T in lengths:
-        row = {}
-        for name in limits:
-            if T > limits[name]:
-                continue
-            repeats = args.repeats if T <= 4096 else 1
-            seconds = time_fla(T, repeats) if name == "fla_chunk" else time_jax(name, T, repeats)
-            results[name].append({"T": T, "seconds": seconds})
-            row[name] = seconds
+        names = [n for n in limits if T <= limits[n]]
+        runners = {n: fla_runner(T) if n == "fla_chunk" else jax_runner(n, T) for n in names}
+        times = interleaved_times(runners, args.repeats if T <= 4096 else max(2, args.repeats // 2))
+        for name, ts in times.items():
+            results[name].append(
+                {"T": T, "seconds": min(ts), "median_seconds": statistics.median(ts), "all": ts}
+            )
         print(
             f"{T:>7} "
-            + " ".join(f"{row[n] * 1e3:>14.1f}" if n in row else f"{'-':>14}" for n in limits)
+            + " ".join(
+                f"{min(times[n]) * 1e3:>14.1f}" if n in times else f"{'-':>14}" for n in limits
+            )
         )
+        del runners
 
     def seconds(name, T):
         return next(r["seconds"] for r in results[name] if r["T"] == T)

@@ -103,18 +103,8 @@ def flatten(tree: Mapping, prefix: str = "") -> dict[str, np.ndarray]:
 
 def check_params(cfg: Any, flat: Mapping[str, np.ndarray]) -> None:
     """Every JAX parameter the table expects, with its shape, and nothing else."""
-    expected = {e.jax_path: e for e in names.table(cfg)}
-    problems = []
-    for path, e in expected.items():
-        if path not in flat:
-            problems.append(f"missing parameter {path} (-> {e.name}, shape {list(e.jax_shape)})")
-        elif tuple(flat[path].shape) != e.jax_shape:
-            problems.append(
-                f"parameter {path} has shape {list(flat[path].shape)}, expected {list(e.jax_shape)}"
-            )
-    for path in flat:
-        if path not in expected:
-            problems.append(f"unexpected parameter {path} (shape {list(flat[path].shape)})")
+    expected = {e.jax_path: e.jax_shape for e in names.table(cfg)}
+    problems = names.mismatches(expected, {p: x.shape for p, x in flat.items()}, "parameter")
     if problems:
         raise ExportError("checkpoint parameters do not match the config: " + "; ".join(problems))
 

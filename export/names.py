@@ -104,22 +104,27 @@ class WeightError(ValueError):
     """A tensor is missing, unexpected or mis-shaped; the message names it."""
 
 
+def mismatches(
+    expected: Mapping[str, tuple[int, ...]], actual: Mapping[str, tuple[int, ...]], kind: str
+) -> list[str]:
+    """One message per missing, mis-shaped or unexpected `kind` ("tensor", "parameter")."""
+    problems = []
+    for name, shape in expected.items():
+        if name not in actual:
+            problems.append(f"missing {kind} {name} (expected shape {list(shape)})")
+        elif tuple(actual[name]) != tuple(shape):
+            problems.append(f"{kind} {name} has shape {list(actual[name])}, expected {list(shape)}")
+    for name in actual:
+        if name not in expected:
+            problems.append(f"unexpected {kind} {name} (shape {list(actual[name])})")
+    return problems
+
+
 def check_tensors(cfg: Any, shapes: Mapping[str, tuple[int, ...]], *, side: str) -> None:
     """Every expected tensor present with its shape, and nothing else (`side` is for messages).
 
     `shapes` maps exported names to shapes. Raises WeightError naming every offender.
     """
-    expected = exported_shapes(cfg)
-    problems = []
-    for name in expected:
-        if name not in shapes:
-            problems.append(f"missing tensor {name} (expected shape {list(expected[name])})")
-        elif tuple(shapes[name]) != expected[name]:
-            problems.append(
-                f"tensor {name} has shape {list(shapes[name])}, expected {list(expected[name])}"
-            )
-    for name in shapes:
-        if name not in expected:
-            problems.append(f"unexpected tensor {name} (shape {list(shapes[name])})")
+    problems = mismatches(exported_shapes(cfg), shapes, "tensor")
     if problems:
         raise WeightError(f"{side}: " + "; ".join(problems))

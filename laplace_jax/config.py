@@ -183,9 +183,10 @@ PRESETS: dict[str, LaplaceConfig] = {
         seq_len=512,
         chunk_size=64,
     ),
-    # For unit tests: compiles in seconds.
+    # For unit tests: compiles in seconds. 320 tokens: a byte-level BPE (256 bytes, end-of-text
+    # and merges) fits, so `--config tiny` also trains on the default corpus.
     "tiny": LaplaceConfig(
-        vocab_size=256,
+        vocab_size=320,
         d_model=64,
         n_layers=2,
         n_heads=4,

@@ -79,9 +79,11 @@ def gla_chunked(
     state0 = _zero_state(q, v) if initial_state is None else initial_state.astype(f32)
     gamma = log_decay.astype(f32)[:, None, None]  # [H, 1, 1], gamma = ln(lambda) <= 0
 
-    def to_chunks(x):  # [B, T, H, X] -> [B, H, N, C, X]
+    # Chunks first, [N, B, H, C, X]: every product below is batched over (n, b, h) in that order,
+    # and the state scan runs over the leading axis, so no operand needs a transpose.
+    def to_chunks(x):  # [B, T, H, X] -> [N, B, H, C, X]
         x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        return x.reshape(B, N, C, H, x.shape[-1]).transpose(0, 3, 1, 2, 4)
+        return x.reshape(B, N, C, H, x.shape[-1]).transpose(1, 0, 3, 2, 4)
 
     qc, kc, vc = to_chunks(q), to_chunks(k), to_chunks(v)
     i = jnp.arange(C, dtype=f32)[:, None]  # local query position
@@ -91,9 +93,9 @@ def gla_chunked(
     # exp(gamma (i - j)) is evaluated on the lower triangle only: never lambda^(-j).
     causal = i >= j  # [C, C]
     M = jnp.where(causal, jnp.exp(gamma * jnp.where(causal, i - j, 0.0)), 0.0)  # [H, C, C]
-    A = jnp.einsum("bhnik,bhnjk->bhnij", qc, kc, preferred_element_type=f32)  # [B,H,N,C,C]
-    A = scale * A * M[None, :, None]
-    o_intra = jnp.einsum("bhnij,bhnjv->bhniv", A.astype(v.dtype), vc, preferred_element_type=f32)
+    A = jnp.einsum("nbhik,nbhjk->nbhij", qc, kc, preferred_element_type=f32)  # [N,B,H,C,C]
+    A = scale * A * M
+    o_intra = jnp.einsum("nbhij,nbhjv->nbhiv", A.astype(v.dtype), vc, preferred_element_type=f32)
 
     # State carry: S_c = lambda^(L_c) S_{c-1} + (K_c * lambda^(L_c-1-j))^T V_c, where L_c = C
     # except for a padded last chunk (its padded keys are zero and get no decay weight).
@@ -101,11 +103,13 @@ def gla_chunked(
     L = valid[:, None]  # [N, 1]
     key_live = j[0][None, :] < L  # [N, C]
     k_decay = jnp.where(
-        key_live, jnp.exp(gamma[..., 0][:, None] * jnp.where(key_live, L - 1 - j[0], 0.0)), 0.0
-    )  # [H, N, C], lambda^(L_c - 1 - j)
+        key_live[:, None],
+        jnp.exp(gamma[None, :, 0] * jnp.where(key_live, L - 1 - j, 0.0)[:, None]),
+        0.0,
+    )  # [N, H, C], lambda^(L_c - 1 - j)
     kv = jnp.einsum(
-        "bhnjk,bhnjv->nbhkv",
-        kc * k_decay[None, ..., None].astype(kc.dtype),
+        "nbhjk,nbhjv->nbhkv",
+        kc * k_decay[:, None, :, :, None].astype(kc.dtype),
         vc,
         preferred_element_type=f32,
     )  # [N, B, H, K, V], each chunk's contribution to the state
@@ -123,9 +127,7 @@ def gla_chunked(
     # Inter-chunk: O_c += scale (Q_c * lambda^(i+1)) S_{c-1}
     q_decay = jnp.exp(gamma[:, 0, 0][:, None] * (i[:, 0] + 1.0)[None, :])  # [H, C]
     o_inter = jnp.einsum(
-        "bhnik,nbhkv->bhniv",
-        (scale * qc.astype(f32)) * q_decay[None, :, None, :, None],
-        prev_states,
+        "nbhik,nbhkv->nbhiv", (scale * qc.astype(f32)) * q_decay[:, :, None], prev_states
     )
-    o = (o_intra + o_inter).transpose(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
+    o = (o_intra + o_inter).transpose(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
     return o.astype(v.dtype), final_state

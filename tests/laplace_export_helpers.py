@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-# tiny preset with a vocabulary big enough for a byte-level BPE (256 bytes + merges + EOS)
-TINY_OVERRIDES = ["vocab_size=320"]
+# the tiny preset's vocabulary (320) holds a byte-level BPE (256 bytes + merges + EOS)
+TINY_OVERRIDES: list[str] = []
 EOS = "<|endoftext|>"
 
 

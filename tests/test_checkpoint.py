@@ -14,9 +14,9 @@ import pytest
 
 from laplace_jax.config import get_config
 from laplace_jax.model import abstract_params, init_params
+from laplace_jax.optim import opt_state_shardings
 from laplace_jax.sharding import make_mesh, param_shardings
 from train.checkpoint import Checkpointer, ConfigMismatch, check_compatible
-from train.step import opt_state_shardings
 
 REPO = Path(__file__).resolve().parent.parent
 CFG = get_config("tiny")
@@ -26,7 +26,8 @@ def _state(mesh, seed=0):
     ps = param_shardings(CFG, mesh)
     params = jax.jit(lambda k: init_params(CFG, k), out_shardings=ps)(jax.random.key(seed))
     tx = optax.adamw(1e-3)
-    abs_opt, os_ = opt_state_shardings(tx, abstract_params(CFG), ps, mesh)
+    abs_opt = jax.eval_shape(tx.init, abstract_params(CFG))
+    os_ = opt_state_shardings(tx, abstract_params(CFG), ps)
     opt = jax.jit(tx.init, out_shardings=os_)(params)
     # make the optimizer state non-trivial
     grads = jax.tree.map(jnp.ones_like, params)
@@ -125,12 +126,14 @@ def test_restore_onto_four_devices_gives_the_same_parameters(tmp_path):
         from laplace_jax.sharding import make_mesh, param_shardings
         from laplace_jax.model import flat_paths
         from train.checkpoint import Checkpointer
-        from train.step import opt_state_shardings
+        from laplace_jax.optim import opt_state_shardings
         assert jax.device_count() == 4
         cfg = get_config("tiny")
         mesh = make_mesh()
         ps = param_shardings(cfg, mesh)
-        abs_opt, os_ = opt_state_shardings(optax.adamw(1e-3), abstract_params(cfg), ps, mesh)
+        tx = optax.adamw(1e-3)
+        abs_opt = jax.eval_shape(tx.init, abstract_params(cfg))
+        os_ = opt_state_shardings(tx, abstract_params(cfg), ps)
         ab = lambda t, s: jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t, s)
         got = Checkpointer({str(tmp_path / "ck")!r}).restore_latest(

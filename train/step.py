@@ -39,55 +39,6 @@ def eval_batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(FSDP, None))
 
 
-def opt_state_shardings(tx: optax.GradientTransformation, abstract_params, param_shardings, mesh):
-    """Shardings for the optimizer state: a leaf shaped like a parameter goes where it goes.
-
-    `optax.tree_map_params` finds the parameter-shaped leaves (moments, momenta); any other leaf
-    (counters, or a state laid out by the optimizer itself) is split on its first axis when that
-    divides by the mesh size, else replicated.
-    """
-    abstract_state = jax.eval_shape(tx.init, abstract_params)
-    n = mesh.shape[FSDP]
-
-    def fallback(x):
-        shape = getattr(x, "shape", ())
-        if len(shape) >= 2 and shape[0] % n == 0:
-            return NamedSharding(mesh, PartitionSpec(FSDP))
-        return NamedSharding(mesh, PartitionSpec())
-
-    try:
-        shardings = optax.tree_map_params(
-            tx,
-            lambda x, s: s if getattr(x, "shape", None) is not None else fallback(x),
-            abstract_state,
-            param_shardings,
-            transform_non_params=fallback,
-            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
-        )
-        # a parameter-shaped leaf must really have that parameter's shape
-        ok = jax.tree.all(
-            jax.tree.map(
-                lambda x, s: isinstance(s, NamedSharding) and _divides(x.shape, s.spec, mesh),
-                abstract_state,
-                shardings,
-            )
-        )
-        if ok:
-            return abstract_state, shardings
-    except Exception:  # noqa: BLE001 - an optimizer with a state optax cannot map
-        pass
-    return abstract_state, jax.tree.map(fallback, abstract_state)
-
-
-def _divides(shape, spec, mesh) -> bool:
-    if len(spec) > len(shape):
-        return False
-    for dim, axis in zip(shape, spec, strict=False):
-        if axis is not None and dim % mesh.shape[axis]:
-            return False
-    return True
-
-
 def make_train_step(
     model: LaplaceLM,
     tx: optax.GradientTransformation,
