@@ -483,7 +483,8 @@ class ScaleByMuonState(NamedTuple):
     momentum: Any  # fp32, shaped (and sharded) like the Muon parameters
 
 
-def _path_str(key_path) -> str:
+def path_str(key_path) -> str:
+    """A pytree key path as the `/`-joined parameter path (`layer_0/qkvg/kernel`)."""
     return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in key_path)
 
 
@@ -507,7 +508,7 @@ def scale_by_muon(
         else:
             direction = mom
         leaves, treedef = jax.tree_util.tree_flatten_with_path(direction)
-        paths = [_path_str(kp) for kp, _ in leaves]
+        paths = [path_str(kp) for kp, _ in leaves]
         unknown = [p for p in paths if p not in plan.shapes]
         if unknown:
             raise KeyError(f"Muon got parameters outside its plan: {unknown[:3]}")

@@ -114,26 +114,24 @@ def learning_rate_schedule(opt_cfg: OptimizerConfig):
 # ---- parameter bookkeeping ----------------------------------------------------------------------
 
 
-def _path_str(key_path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in key_path)
-
-
 def flat_params(params_like) -> dict[str, Any]:
     """`/`-joined path -> leaf (array or ShapeDtypeStruct)."""
-    return {_path_str(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(params_like)[0]}
+    return {
+        muon_lib.path_str(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(params_like)[0]
+    }
 
 
 def param_labels(params_like):
     """A tree like params of "muon" / "adamw", chosen by path."""
     return jax.tree_util.tree_map_with_path(
-        lambda kp, _: "muon" if is_muon_path(_path_str(kp)) else "adamw", params_like
+        lambda kp, _: "muon" if is_muon_path(muon_lib.path_str(kp)) else "adamw", params_like
     )
 
 
 def _adamw_decay_mask(params):
     """AdamW decays kernels and the embedding; not norm scales, biases or aug_balance."""
     return jax.tree_util.tree_map_with_path(
-        lambda kp, _: _path_str(kp).rsplit("/", 1)[-1] in ("kernel", "embedding"), params
+        lambda kp, _: muon_lib.path_str(kp).rsplit("/", 1)[-1] in ("kernel", "embedding"), params
     )
 
 
