@@ -6,8 +6,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import statistics
-import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -50,18 +48,6 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "versions": versions,
     }
-
-
-def median_time(fn, *, repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall seconds of `fn()` (which must block until its result is ready)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def write_result(name: str, headline: dict, **data) -> Path:

@@ -16,7 +16,12 @@ from laplace_jax.config import get_config
 from laplace_jax.model import abstract_params, init_params
 from laplace_jax.optim import opt_state_shardings
 from laplace_jax.sharding import make_mesh, param_shardings
-from train.checkpoint import Checkpointer, ConfigMismatch, check_compatible
+from train.checkpoint import (
+    Checkpointer,
+    ConfigMismatch,
+    abstract_with_shardings,
+    check_compatible,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 CFG = get_config("tiny")
@@ -33,12 +38,6 @@ def _state(mesh, seed=0):
     grads = jax.tree.map(jnp.ones_like, params)
     _, opt = tx.update(grads, opt, params)
     return params, opt, ps, os_, abs_opt
-
-
-def _abstract(tree, shardings):
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-    )
 
 
 def _assert_tree_equal(a, b):
@@ -58,7 +57,9 @@ def test_roundtrip_keep_last_and_meta(tmp_path):
         _save(ckpt, step, params, opt)
     ckpt.wait()
     assert ckpt.all_steps() == [2, 3]
-    got = ckpt.restore_latest(_abstract(params, ps), _abstract(abs_opt, os_), None)
+    got = ckpt.restore_latest(
+        abstract_with_shardings(params, ps), abstract_with_shardings(abs_opt, os_), None
+    )
     assert got["step"] == 3 and got["data"] == {"next_index": 9}
     assert got["meta"]["model"] == CFG.to_dict() and got["meta"]["step"] == 3
     _assert_tree_equal(got["params"], params)
@@ -76,7 +77,9 @@ def test_config_mismatch_is_refused_naming_fields(tmp_path):
     other = CFG.replace(n_layers=3, seq_len=128)
     with pytest.raises(ConfigMismatch) as e:
         ckpt.restore_latest(
-            _abstract(params, ps), _abstract(abs_opt, os_), {"model": other.to_dict()}
+            abstract_with_shardings(params, ps),
+            abstract_with_shardings(abs_opt, os_),
+            {"model": other.to_dict()},
         )
     assert "model.n_layers: checkpoint 2, requested 3" in str(e.value)
     assert "model.seq_len: checkpoint 64, requested 128" in str(e.value)
@@ -104,7 +107,9 @@ def test_corrupt_latest_checkpoint_is_skipped_with_warning(tmp_path, damage):
     ckpt = Checkpointer(tmp_path / "ck", keep=3)
     with pytest.warns(RuntimeWarning, match=r"ck/2 .*skipping"):
         got = ckpt.restore_latest(
-            _abstract(params, ps), _abstract(abs_opt, os_), {"model": CFG.to_dict()}
+            abstract_with_shardings(params, ps),
+            abstract_with_shardings(abs_opt, os_),
+            {"model": CFG.to_dict()},
         )
     assert got["step"] == 1
     _assert_tree_equal(got["params"], params)
@@ -125,7 +130,7 @@ def test_restore_onto_four_devices_gives_the_same_parameters(tmp_path):
         from laplace_jax.model import abstract_params
         from laplace_jax.sharding import make_mesh, param_shardings
         from laplace_jax.model import flat_paths
-        from train.checkpoint import Checkpointer
+        from train.checkpoint import Checkpointer, abstract_with_shardings as ab
         from laplace_jax.optim import opt_state_shardings
         assert jax.device_count() == 4
         cfg = get_config("tiny")
@@ -134,8 +139,6 @@ def test_restore_onto_four_devices_gives_the_same_parameters(tmp_path):
         tx = optax.adamw(1e-3)
         abs_opt = jax.eval_shape(tx.init, abstract_params(cfg))
         os_ = opt_state_shardings(tx, abstract_params(cfg), ps)
-        ab = lambda t, s: jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t, s)
         got = Checkpointer({str(tmp_path / "ck")!r}).restore_latest(
             ab(abstract_params(cfg), ps), ab(abs_opt, os_), {{"model": cfg.to_dict()}})
         emb = got["params"]["embed"]["embedding"]

@@ -41,7 +41,12 @@ from tqdm import tqdm  # noqa: E402
 
 from laplace_jax.config import PRESETS, ConfigError, LaplaceConfig, get_config, parse_overrides  # noqa: E402
 from train import optimizer as optim  # noqa: E402
-from train.checkpoint import Checkpointer, ConfigMismatch, config_diff  # noqa: E402
+from train.checkpoint import (  # noqa: E402
+    Checkpointer,
+    ConfigMismatch,
+    abstract_with_shardings,
+    config_diff,
+)
 from train.config import TrainConfig, batch_layout, train_preset  # noqa: E402
 
 log = logging.getLogger("train")
@@ -244,7 +249,7 @@ def run(args) -> int:
     # model, optimizer, shardings
     model = LaplaceLM(model_cfg, unroll=unroll)
     p_shard = param_shardings(model_cfg, mesh)
-    abs_params = _with_sharding(abstract_params(model_cfg), p_shard)
+    abs_params = abstract_with_shardings(abstract_params(model_cfg), p_shard)
     tx, lr_schedule, o_shard = optim.build(opt_cfg, abs_params, p_shard, mesh)
     abs_opt = jax.eval_shape(tx.init, abs_params)
     train_step, state_shard = make_train_step(model, tx, mesh, p_shard, o_shard, tcfg.grad_clip)
@@ -253,7 +258,7 @@ def run(args) -> int:
     requested = {"model": model_cfg.to_dict()}
     opt_dict = opt_cfg.to_dict()
     ckpt = Checkpointer(ckpt_dir, keep=tcfg.keep_checkpoints, async_save=tcfg.async_checkpoints)
-    restored = ckpt.restore_latest(abs_params, _with_sharding(abs_opt, o_shard), requested)
+    restored = ckpt.restore_latest(abs_params, abstract_with_shardings(abs_opt, o_shard), requested)
     if restored is not None:
         start = restored["step"]
         params, opt_state = restored["params"], restored["opt_state"]
@@ -426,12 +431,6 @@ def print_sample(params, cfg, tokenizer_path, tcfg) -> None:
     new = greedy_generate(params, cfg, np.array(prompt, np.int32), tcfg.sample_tokens)
     text = tok.decode(list(prompt) + [int(t) for t in new])
     print(f"greedy sample ({tcfg.sample_tokens} tokens):\n{text}")
-
-
-def _with_sharding(tree, shardings):
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-    )
 
 
 def _json_num(v):
