@@ -21,12 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import RESULTS, write_result
-from laplace_jax.config import PRESETS
 from laplace_jax.gla import gla_chunked, gla_recurrent
-from laplace_jax.model import log_decay_schedule
+from laplace_spec.config import PRESETS
 
 H, K, V, C = 16, 96, 192, 128
-LOG_DECAY = jnp.asarray(log_decay_schedule(PRESETS["laplace-3b"]))
+LOG_DECAY = jnp.asarray(PRESETS["laplace-3b"].log_decay(), jnp.float32)
 
 
 def inputs(T, seed=0):

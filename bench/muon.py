@@ -34,9 +34,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
-from laplace_jax import muon  # noqa: E402
+from laplace_jax import muon_accounting  # noqa: E402
 from laplace_jax.accounting import parameter_counts, training_flops_per_token  # noqa: E402
-from laplace_jax.config import PRESETS  # noqa: E402
 from laplace_jax.model import abstract_params, init_params  # noqa: E402
 from laplace_jax.optim import (  # noqa: E402
     OPTIMIZER_PRESETS,
@@ -44,7 +43,8 @@ from laplace_jax.optim import (  # noqa: E402
     muon_plan,
     opt_state_shardings,
 )
-from laplace_jax.sharding import make_mesh, param_shardings  # noqa: E402
+from laplace_jax.sharding import abstract_with_shardings, make_mesh, param_shardings  # noqa: E402
+from laplace_spec.config import PRESETS  # noqa: E402
 
 TOKENS_PER_STEP = 524_288  # 256 x 2,048 (DESIGN.md s4)
 COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
@@ -94,21 +94,13 @@ def traffic_3b(n: int) -> dict:
     cfg = PRESETS["laplace-3b"]
     mesh = make_mesh(n)
     shard = param_shardings(cfg, mesh)
-    abstract = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        abstract_params(cfg),
-        shard,
-    )
+    abstract = abstract_with_shardings(abstract_params(cfg), shard)
     out = {}
     for mode in ("gather", "a2a"):
         opt = OPTIMIZER_PRESETS["laplace-3b"].replace(muon_mode=mode)
         tx = make_optimizer(opt, abstract, mesh)
         ss = opt_state_shardings(tx, abstract, shard)
-        state = jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-            jax.eval_shape(tx.init, abstract),
-            ss,
-        )
+        state = abstract_with_shardings(jax.eval_shape(tx.init, abstract), ss)
         step = jax.jit(tx.update, in_shardings=(shard, ss, shard), out_shardings=(shard, ss))
         t0 = time.perf_counter()
         lowered = step.lower(abstract, state, abstract)
@@ -137,8 +129,8 @@ def traffic_3b(n: int) -> dict:
             "collective_dtypes_in_cpu_hlo": sorted({c["dtype"] for c in colls}),
             "hlo_bytes_per_device": moved * item,
             "hlo_bytes_per_device_as_compiled_on_cpu": compiled_bytes,
-            "analytic_bytes_per_device": plan.bytes_per_device(),
-            "ns_flops_per_device_analytic": plan.ns_flops_per_device(),
+            "analytic_bytes_per_device": muon_accounting.bytes_per_device(plan),
+            "ns_flops_per_device_analytic": muon_accounting.ns_flops_per_device(plan),
             "compiled_flops_per_device": float(cost.get("flops", float("nan"))),
             "compile_seconds": compile_s,
             "raw": colls,
@@ -147,10 +139,10 @@ def traffic_3b(n: int) -> dict:
             pools, rest = plan.pools()
             out["a2a_layout"] = [
                 {
-                    "s": p.s,
-                    "w": p.w,
-                    "T": p.T,
-                    "M": p.M,
+                    "s": p.short_side,
+                    "w": p.tile_width,
+                    "T": p.tile_slots,
+                    "M": p.matrix_slots,
                     "min_load_tiles": min(p.loads()),
                     "max_load_tiles": max(p.loads()),
                     "matrices": len(p.matrices),
@@ -168,7 +160,7 @@ def traffic_3b(n: int) -> dict:
 def ns_share(n: int) -> dict:
     cfg = PRESETS["laplace-3b"]
     plan = muon_plan(OPTIMIZER_PRESETS["laplace-3b"], abstract_params(cfg))
-    ns_total = sum(muon.ns_flops(s, plan.ns_steps) for s in plan.shapes.values())
+    ns_total = sum(muon_accounting.ns_flops(s, plan.ns_steps) for s in plan.shapes.values())
     step_6nt = 6 * parameter_counts(cfg)["total_params"] * TOKENS_PER_STEP
     step_full = training_flops_per_token(cfg) * TOKENS_PER_STEP
     return {

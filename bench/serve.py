@@ -33,7 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
+from laplace_spec.config import BF16_BYTES, FP32_BYTES, LaplaceConfig, get_config
+
 RESULTS = Path(__file__).resolve().parent / "results"
+PRESET = "small"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(callable)
@@ -64,31 +67,29 @@ def instrument_laplace() -> None:
 # ---- the two models ---------------------------------------------------------------------------
 
 
-def export_laplace(out: Path, max_len: int) -> Path:
-    """`small` preset, JAX initialisation, exported with the project's exporter."""
+def export_laplace(cfg: LaplaceConfig, out: Path, max_len: int) -> Path:
+    """JAX initialisation, exported with the project's exporter."""
     import jax
 
     from export import exporter
-    from laplace_jax.config import get_config
     from laplace_jax.model import init_params
 
-    cfg = get_config("small")
     params = jax.tree.map(np.asarray, init_params(cfg, jax.random.key(0)))
     return exporter.export_model(cfg, params, out, max_len=max_len)
 
 
-def make_llama(out: Path, cfg, max_len: int) -> Path:
+def make_llama(out: Path, cfg: LaplaceConfig, max_len: int) -> Path:
     """A Llama with Laplace small's width, depth, FFN width and vocabulary; random weights."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     lc = LlamaConfig(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["d_model"],
-        intermediate_size=cfg["ffn_dim"],
-        num_hidden_layers=cfg["n_layers"],
-        num_attention_heads=cfg["n_heads"],
-        num_key_value_heads=cfg["n_heads"],
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_heads,
         max_position_embeddings=max_len,
         torch_dtype="float32",
     )
@@ -260,8 +261,9 @@ def measured_state_bytes(llm) -> dict:
     return llm.collective_rpc(_state_page_bytes)[0]
 
 
-def llama_kv_bytes_per_token(cfg, dtype_bytes=4) -> int:
-    return 2 * cfg["n_layers"] * cfg["d_model"] * dtype_bytes  # K and V, every layer
+def llama_kv_bytes_per_token(cfg: LaplaceConfig) -> int:
+    """fp32 K and V, every layer (the served Llama's dtype): twice laplace_spec's bf16 count."""
+    return cfg.kv_cache_bytes(1) * FP32_BYTES // BF16_BYTES
 
 
 # ---- run ----------------------------------------------------------------------------------
@@ -299,34 +301,30 @@ def main(argv=None) -> int:
 
     from serve.vllm_adapter import make_llm
 
-    results: dict = {"machine": machine_info(), "preset": "small"}
+    results: dict = {"machine": machine_info(), "preset": PRESET}
     tmp = Path(tempfile.mkdtemp(prefix="bench_serve_"))
-    lap_dir = export_laplace(tmp / "laplace", max_len)
-    cfg = json.loads((lap_dir / "config.json").read_text())
-    results["config"] = cfg
+    cfg = get_config(PRESET)
+    lap_dir = export_laplace(cfg, tmp / "laplace", max_len)
+    results["config"] = json.loads((lap_dir / "config.json").read_text())
 
     print("Laplace (small) through vLLM", flush=True)
     instrument_laplace()
     llm = make_llm(str(lap_dir), max_model_len=max_len, max_num_seqs=64)
     results["laplace_state"] = measured = measured_state_bytes(llm)
-    computed = (
-        4
-        * cfg["n_layers"]
-        * (cfg["n_heads"] * cfg["d_k"] * cfg["d_v"] + cfg["conv_width"] * cfg["d_model"])
-    )
+    computed = cfg.state_bytes_per_sequence()["total"]
     print(f"  state per sequence: measured {measured['bytes_per_seq']:,} B on vLLM's pages, "
           f"computed {computed:,} B", flush=True)  # fmt: skip
     results["laplace_throughput"] = throughput_vs_concurrency(
-        llm, cfg["vocab_size"], levels, 64, new_tok, tp_repeats
+        llm, cfg.vocab_size, levels, 64, new_tok, tp_repeats
     )
     results["laplace_cost"] = cost_per_output_token(
-        llm, cfg["vocab_size"], (short_p, long_p), cost_seqs, cost_tokens, repeats
+        llm, cfg.vocab_size, (short_p, long_p), cost_seqs, cost_tokens, repeats
     )
     for c in results["laplace_cost"]:
         print(f"  prompt {c['prompt_len']}: {1e3 * c['seconds_per_output_token']:.3f} ms per "
               f"output token ({1e3 * c['model_forward_seconds_per_output_token']:.3f} ms in "
               "the model's forward)", flush=True)  # fmt: skip
-    results["staggered"] = staggered_vs_fixed(llm, cfg["vocab_size"], 32, 64, new_tok, 2)
+    results["staggered"] = staggered_vs_fixed(llm, cfg.vocab_size, 32, 64, new_tok, 2)
     del llm
     gc.collect()
 
@@ -340,10 +338,10 @@ def main(argv=None) -> int:
         try:
             lm = make_llm(str(llama_dir), max_model_len=max_len, max_num_seqs=64)
             results["llama_throughput"] = throughput_vs_concurrency(
-                lm, cfg["vocab_size"], levels, 64, new_tok, tp_repeats
+                lm, cfg.vocab_size, levels, 64, new_tok, tp_repeats
             )
             results["llama_cost"] = cost_per_output_token(
-                lm, cfg["vocab_size"], (short_p, long_p), cost_seqs, cost_tokens, repeats
+                lm, cfg.vocab_size, (short_p, long_p), cost_seqs, cost_tokens, repeats
             )
             for c in results["llama_cost"]:
                 print(f"  prompt {c['prompt_len']}: {1e3 * c['seconds_per_output_token']:.3f} ms"

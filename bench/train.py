@@ -25,14 +25,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from bench.common import write_result
 from laplace_jax import optim
 from laplace_jax.accounting import parameter_counts, training_flops_per_token
-from laplace_jax.config import LaplaceConfig, get_config
 from laplace_jax.model import Dense, LaplaceLM, LayerNorm, init_params
-from laplace_jax.sharding import make_mesh, param_shardings
+from laplace_jax.sharding import (
+    abstract_with_shardings,
+    boxed_shardings,
+    make_mesh,
+    param_shardings,
+)
+from laplace_spec.config import LaplaceConfig, get_config
 from train.step import make_train_step, measure_matmul_flops
 
 
@@ -60,9 +64,12 @@ def causal_attention(q, k, v):
 class TransformerLM(nn.Module):
     """Pre-norm softmax-attention transformer with Laplace's widths and parameter names.
 
-    Per layer: fused W_qkv [D, 3D] (named `qkvg` so Muon treats it as Laplace's W_qkvg) and
-    W_out [D, D] -- 4 D^2 parameters, the same as Laplace's W_qkvg [D, 3D] + W_out -- causal
-    attention over n_heads heads of D / n_heads, then the same GLU channel mixer.
+    Per layer: fused W_qkv [D, 3D] and W_out [D, D] -- 4 D^2 parameters, the same as Laplace's
+    W_qkvg [D, 3D] + W_out -- causal attention over n_heads heads of D / n_heads, then the same
+    GLU channel mixer. Its parameter paths (`layer_{i}_qkvg/kernel`) are not Laplace's
+    (`layer_{i}/qkvg/kernel`), so the optimizer's path rule sends all of them to AdamW: this
+    baseline trains without Muon while Laplace uses it (issue 10 replaces it with a softmax
+    baseline on Muon, trained by the same trainer).
     No positional encoding (its cost is negligible next to attention). Attention recomputes
     its scores in the backward pass, like FlashAttention (see `causal_attention`).
     """
@@ -74,8 +81,10 @@ class TransformerLM(nn.Module):
         cfg = self.config
         D, H, F = cfg.d_model, cfg.n_heads, cfg.ffn_dim
         dtype = jnp.dtype(cfg.compute_dtype)
-        x = nn.Embed(cfg.vocab_size, D, embedding_init=nn.initializers.normal(cfg.init_std),
-                     name="embed")(tokens)  # fmt: skip
+        embed_init = nn.with_logical_partitioning(
+            nn.initializers.normal(cfg.init_std), ("vocab", "embed")
+        )
+        x = nn.Embed(cfg.vocab_size, D, embedding_init=embed_init, name="embed")(tokens)
         B, T = tokens.shape
         for i in range(cfg.n_layers):
             h = LayerNorm(cfg.norm_eps, name=f"layer_{i}_ln_1")(x)
@@ -95,18 +104,8 @@ class TransformerLM(nn.Module):
         return logits.astype(jnp.float32), None
 
 
-def _dim0_shardings(params, mesh):
-    n = mesh.shape["fsdp"]
-    return jax.tree.map(
-        lambda x: NamedSharding(
-            mesh, PartitionSpec("fsdp") if x.ndim >= 2 and x.shape[0] % n == 0 else PartitionSpec()
-        ),
-        params,
-    )
-
-
-def _transformer_params(cfg, key):
-    return nn.unbox(TransformerLM(cfg).init(key, jnp.zeros((1, 8), jnp.int32))["params"])
+def _transformer_boxed(cfg, key):
+    return TransformerLM(cfg).init(key, jnp.zeros((1, 8), jnp.int32))["params"]
 
 
 def build_step(kind: str, cfg: LaplaceConfig, batch: int, mesh) -> dict:
@@ -120,15 +119,15 @@ def build_step(kind: str, cfg: LaplaceConfig, batch: int, mesh) -> dict:
         flops_per_token = training_flops_per_token(cfg)
     else:
         model = TransformerLM(cfg)
-        host = _transformer_params(cfg, jax.random.key(0))
-        shardings = _dim0_shardings(host, mesh)
+        host = nn.unbox(_transformer_boxed(cfg, jax.random.key(0)))
+        boxed = jax.eval_shape(lambda k: _transformer_boxed(cfg, k), jax.random.key(0))
+        shardings = boxed_shardings(boxed, mesh)
         n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(host))
         flops_per_token = 6 * n_params + 12 * cfg.n_layers * cfg.seq_len * cfg.d_model
     params = jax.device_put(host, shardings)
-    abstract = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings
-    )
-    tx, _, opt_shardings = optim_build(opt_cfg, abstract, shardings, mesh)
+    abstract = abstract_with_shardings(params, shardings)
+    tx = optim.make_optimizer(opt_cfg, abstract, mesh)
+    opt_shardings = optim.opt_state_shardings(tx, abstract, shardings)
     step, _ = make_train_step(model, tx, mesh, shardings, opt_shardings, grad_clip=1.0)
     state = {
         "params": params,
@@ -158,19 +157,13 @@ def time_step(holder) -> float:
     return time.perf_counter() - t0
 
 
-def optim_build(opt_cfg, abstract, shardings, mesh):
-    from train.optimizer import build
-
-    return build(opt_cfg, abstract, shardings, mesh)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="2 rounds instead of 3")
     args = ap.parse_args(argv)
     rounds = 2 if args.quick else 3
     mesh = make_mesh()
-    n = mesh.shape["fsdp"]
+    n = mesh.size
     peak_before = measure_matmul_flops(mesh)
 
     base = get_config("small")

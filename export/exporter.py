@@ -9,8 +9,8 @@ Folder layout written by `export_model`:
     tokenizer.json, tokenizer_config.json, generation_config.json (copied or written)
     export_meta.json               where it came from (checkpoint dir, step, dtype)
 
-Only `read_checkpoint` touches orbax/JAX (imported lazily); the rest is numpy, so the checks
-and the writer are testable and reusable without a checkpoint.
+Only `read_checkpoint` touches orbax (imported lazily); the rest is numpy (and flax's
+`flatten_dict`), so the checks and the writer are testable and reusable without a checkpoint.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from flax.traverse_util import flatten_dict
 
-from export import names
+from laplace_spec import names
+from laplace_spec.config import LaplaceConfig
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3  # 2 GiB per safetensors file, as HF writes them
 TOKENIZER_FILES = (
@@ -89,19 +91,7 @@ def _to_numpy(tree):
 # ---- checks and conversion (numpy only) -------------------------------------------------------
 
 
-def flatten(tree: Mapping, prefix: str = "") -> dict[str, np.ndarray]:
-    """Nested params dict -> {'layer_0/qkvg/kernel': array}."""
-    flat = {}
-    for k, v in tree.items():
-        path = f"{prefix}/{k}" if prefix else str(k)
-        if isinstance(v, Mapping):
-            flat.update(flatten(v, path))
-        else:
-            flat[path] = np.asarray(v)
-    return flat
-
-
-def check_params(cfg: Any, flat: Mapping[str, np.ndarray]) -> None:
+def check_params(cfg: LaplaceConfig, flat: Mapping[str, np.ndarray]) -> None:
     """Every JAX parameter the table expects, with its shape, and nothing else."""
     expected = {e.jax_path: e.jax_shape for e in names.table(cfg)}
     problems = names.mismatches(expected, {p: x.shape for p, x in flat.items()}, "parameter")
@@ -116,7 +106,7 @@ class ConvertedTensors(Mapping):
     tensor at a time (3B in fp32: 12 GB, not 24 GB).
     """
 
-    def __init__(self, cfg: Any, flat: Mapping[str, np.ndarray], dtype: str):
+    def __init__(self, cfg: LaplaceConfig, flat: Mapping[str, np.ndarray], dtype: str):
         self.entries = {e.name: e for e in names.table(cfg)}
         self.flat = flat
         self.dtype = np.dtype(_np_dtype(dtype))
@@ -137,9 +127,9 @@ class ConvertedTensors(Mapping):
         return self.entries[name].shape, self.dtype
 
 
-def convert(cfg: Any, params: Mapping, dtype: str = "fp32") -> ConvertedTensors:
+def convert(cfg: LaplaceConfig, params: Mapping, dtype: str = "fp32") -> ConvertedTensors:
     """Flax params (nested or flat) -> exported tensors (lazy), after checking every one."""
-    flat = flatten(params)  # flat `/` paths pass through unchanged
+    flat = flatten_dict(dict(params), sep="/")  # flat `/` paths pass through unchanged
     check_params(cfg, flat)
     out = ConvertedTensors(cfg, flat, dtype)
     names.check_tensors(cfg, {k: out.spec(k)[0] for k in out}, side="export")
@@ -225,13 +215,14 @@ def write_weights(out_dir: Path, tensors: Mapping, max_shard_bytes: int) -> None
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def hf_config(cfg: Any, dtype: str, token_ids: Mapping[str, int | None], max_len: int) -> dict:
+def hf_config(
+    cfg: LaplaceConfig, dtype: str, token_ids: Mapping[str, int | None], max_len: int
+) -> dict:
     """config.json contents: every LaplaceConfig field plus what HF/vLLM look for."""
-    fields = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
     return {
         "architectures": ["LaplaceForCausalLM"],
         "model_type": "laplace",
-        **fields,
+        **cfg.to_dict(),
         "torch_dtype": "bfloat16" if dtype in ("bf16", "bfloat16") else "float32",
         # The state is fixed-size, so any length is servable; this is the serving limit.
         "max_position_embeddings": int(max_len),
@@ -285,7 +276,7 @@ def copy_tokenizer(src: Path, out_dir: Path) -> dict[str, int | None]:
 
 
 def export_model(
-    cfg: Any,
+    cfg: LaplaceConfig,
     params: Mapping,
     out_dir: str | Path,
     *,
@@ -305,8 +296,7 @@ def export_model(
     ids: dict[str, int | None] = {}
     if tokenizer_dir is not None:
         ids = copy_tokenizer(Path(tokenizer_dir), out_dir)
-    seq_len = cfg.seq_len if hasattr(cfg, "seq_len") else cfg["seq_len"]
-    config = hf_config(cfg, dtype, ids, max_len or max(65_536, seq_len))
+    config = hf_config(cfg, dtype, ids, max_len or max(65_536, cfg.seq_len))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     meta = {"dtype": dtype, "n_tensors": len(tensors), **dict(source or {})}
     (out_dir / "export_meta.json").write_text(json.dumps(meta, indent=2) + "\n")

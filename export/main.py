@@ -17,7 +17,7 @@ from export.exporter import ExportError
 
 def resolve_config(args, checkpoint_dir: Path, meta: dict | None):
     """The model config: --config, else the checkpoint's meta, else the run's config.json."""
-    from laplace_jax.config import LaplaceConfig, get_config
+    from laplace_spec.config import LaplaceConfig, get_config
 
     if args.config:
         return get_config(args.config, args.override)

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax.config import LaplaceConfig
 from laplace_jax.model import LaplaceLM
+from laplace_spec.config import LaplaceConfig
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from laplace_jax.accounting import kv_cache_bytes, parameter_counts, state_bytes_per_sequence
-from laplace_jax.config import get_config
+from laplace_jax.accounting import parameter_counts
+from laplace_spec.config import get_config
 
 
 def main(argv=None):
@@ -16,8 +16,8 @@ def main(argv=None):
     cfg = get_config(args.config, args.overrides)
 
     counts = parameter_counts(cfg)
-    state = state_bytes_per_sequence(cfg)
-    state_short = state_bytes_per_sequence(cfg, conv_window=cfg.conv_width - 1)
+    state = cfg.state_bytes_per_sequence()
+    state_short = cfg.state_bytes_per_sequence(conv_window=cfg.conv_width - 1)
     print(f"config {args.config}")
     print(f"  Muon matrices        {counts['muon_matrices']:>16,}")
     print(f"  Muon parameters      {counts['muon_params']:>16,}")
@@ -30,7 +30,7 @@ def main(argv=None):
     print(f"  total, {cfg.conv_width - 1}-wide window {state_short['total']:>16,} bytes")
     print("bf16 KV cache of a transformer of the same width and depth")
     for n in (2_048, 8_192, 32_768):
-        kv = kv_cache_bytes(cfg, n)
+        kv = cfg.kv_cache_bytes(n)
         print(f"  {n:>6,} tokens        {kv:>16,} bytes  {kv / state['total']:7.1f}x the state")
 
 

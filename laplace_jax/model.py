@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax.config import LaplaceConfig
 from laplace_jax.gla import gla_chunked, gla_step
+from laplace_spec.config import LaplaceConfig
 
 f32 = jnp.float32
 
@@ -43,14 +43,6 @@ def is_muon_path(path: str) -> bool:
         and parts[1] in MUON_MATRICES
         and parts[2] == "kernel"
     )
-
-
-def log_decay_schedule(config: LaplaceConfig) -> np.ndarray:
-    """gamma_h = ln(lambda_h) = -ln 2 / T_h, T_h = T_min (T_max / T_min) ** (h / (H - 1)).  [H]"""
-    H = config.n_heads
-    h = np.arange(H, dtype=np.float64)
-    half_life = config.t_min * (config.t_max / config.t_min) ** (h / max(H - 1, 1))
-    return (-math.log(2.0) / half_life).astype(np.float32)
 
 
 def _param(module, name, init, shape, axes):
@@ -116,14 +108,15 @@ class HeadRMSNorm(nn.Module):
     """RMS-normalise each head's output; scale by its tier's learned vector gamma_tier."""
 
     n_tiers: int
+    heads_per_tier: int
     eps: float
 
     @nn.compact
     def __call__(self, o):  # o: [B, T, H, dv]
-        H, dv = o.shape[-2:]
+        dv = o.shape[-1]
         gamma = _param(self, "scale", nn.initializers.ones, (self.n_tiers, dv), ("tiers", "head_v"))
         o = o * jax.lax.rsqrt(jnp.mean(jnp.square(o), -1, keepdims=True) + self.eps)
-        return o * jnp.repeat(gamma, H // self.n_tiers, axis=0)  # tiers of contiguous heads
+        return o * jnp.repeat(gamma, self.heads_per_tier, axis=0)  # tiers of contiguous heads
 
 
 class DecoderLayer(nn.Module):
@@ -147,13 +140,13 @@ class DecoderLayer(nn.Module):
 
         # 3. [q, k, v, g] = u W_qkvg^T
         qkvg = Dense(cfg.qkvg_dim, ("embed", "qkvg"), D**-0.5, dtype, name="qkvg")(u)
-        q, k, v, g = jnp.split(qkvg, np.cumsum([H * dk, H * dk, H * dv]), axis=-1)
+        q, k, v, g = jnp.split(qkvg, np.cumsum(cfg.qkvg_split[:-1]), axis=-1)
         q = q.reshape(B, T, H, dk)
         k = k.reshape(B, T, H, dk)
         v = v.reshape(B, T, H, dv)  # g stays [B, T, H * dv]
 
         # 4. GLA with the fixed decay schedule (not a parameter)
-        log_decay = jnp.asarray(log_decay_schedule(cfg))  # [H]
+        log_decay = jnp.asarray(cfg.log_decay(), f32)  # [H]
         if decode:  # the O(1) recurrent step
             o, gla_state = gla_step(q[:, 0], k[:, 0], v[:, 0], log_decay, state["gla"])
             o = o[:, None]  # [B, 1, H, dv]
@@ -174,7 +167,7 @@ class DecoderLayer(nn.Module):
         o = o.astype(f32) + aug * v.astype(f32)  # [B, T, H, dv]
 
         # 6. head RMSNorm per tier; 7. gate with SiLU(g), project back, residual
-        o = HeadRMSNorm(cfg.n_tiers, cfg.norm_eps, name="head_norm")(o)
+        o = HeadRMSNorm(cfg.n_tiers, cfg.heads_per_tier, cfg.norm_eps, name="head_norm")(o)
         y = o.reshape(B, T, H * dv).astype(dtype) * nn.silu(g)
         y = Dense(D, ("attn", "embed"), (H * dv) ** -0.5 * out_scale, dtype, name="out")(y)
         x = x + y.astype(x.dtype)
@@ -235,11 +228,10 @@ class LaplaceLM(nn.Module):
 
 def init_state(config: LaplaceConfig, batch_size: int) -> dict:
     """The empty recurrent state of `batch_size` sequences (zeros, fp32)."""
-    B, H, dk, dv = batch_size, config.n_heads, config.d_k, config.d_v
     return {
         f"layer_{i}": {
-            "gla": jnp.zeros((B, H, dk, dv), f32),
-            "conv": jnp.zeros((B, config.conv_width, config.d_model), f32),
+            "gla": jnp.zeros((batch_size, *config.gla_state_shape), f32),  # [B, H, dk, dv]
+            "conv": jnp.zeros((batch_size, *config.conv_state_shape), f32),  # [B, W, D]
         }
         for i in range(config.n_layers)
     }
@@ -266,15 +258,3 @@ def param_logical_axes(config: LaplaceConfig) -> dict:
     return jax.tree.map(
         lambda b: tuple(b.names), boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
     )
-
-
-def flat_paths(tree: dict, prefix: str = "") -> dict:
-    """{"layer_0/qkvg/kernel": leaf, ...} for a nested dict."""
-    out = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flat_paths(value, path + "/"))
-        else:
-            out[path] = value
-    return out

@@ -23,12 +23,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from flax import traverse_util
+from jax.sharding import Mesh, NamedSharding
 
 from laplace_jax import muon as muon_lib
 from laplace_jax.model import is_muon_path
-
-FSDP = "fsdp"
+from laplace_jax.newton_schulz import NS_DTYPES
+from laplace_jax.sharding import FSDP, replicated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +67,8 @@ class OptimizerConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
         if self.ns_steps < 1:
             raise ValueError(f"ns_steps must be >= 1, got {self.ns_steps!r}")
-        if self.ns_dtype not in muon_lib.NS_DTYPES:
-            raise ValueError(f"ns_dtype must be one of {tuple(muon_lib.NS_DTYPES)}")
+        if self.ns_dtype not in NS_DTYPES:
+            raise ValueError(f"ns_dtype must be one of {tuple(NS_DTYPES)}")
         if self.shape_factor not in muon_lib.SHAPE_FACTORS:
             raise ValueError(f"shape_factor must be one of {muon_lib.SHAPE_FACTORS}")
         if self.muon_mode not in muon_lib.MODES:
@@ -81,7 +82,7 @@ class OptimizerConfig:
 
     def with_overrides(self, overrides: list[str]) -> OptimizerConfig:
         """`key=value` strings, typed by the field; unknown keys are an error."""
-        from laplace_jax.config import parse_overrides
+        from laplace_spec.config import parse_overrides
 
         return self.replace(**parse_overrides(overrides, type(self)))
 
@@ -114,24 +115,22 @@ def learning_rate_schedule(opt_cfg: OptimizerConfig):
 # ---- parameter bookkeeping ----------------------------------------------------------------------
 
 
-def flat_params(params_like) -> dict[str, Any]:
-    """`/`-joined path -> leaf (array or ShapeDtypeStruct)."""
-    return {
-        muon_lib.path_str(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(params_like)[0]
-    }
+def _path(key_path) -> str:
+    """A pytree key path as the `/`-joined parameter path (`layer_0/qkvg/kernel`)."""
+    return jax.tree_util.keystr(key_path, simple=True, separator="/")
 
 
 def param_labels(params_like):
     """A tree like params of "muon" / "adamw", chosen by path."""
     return jax.tree_util.tree_map_with_path(
-        lambda kp, _: "muon" if is_muon_path(muon_lib.path_str(kp)) else "adamw", params_like
+        lambda kp, _: "muon" if is_muon_path(_path(kp)) else "adamw", params_like
     )
 
 
 def _adamw_decay_mask(params):
     """AdamW decays kernels and the embedding; not norm scales, biases or aug_balance."""
     return jax.tree_util.tree_map_with_path(
-        lambda kp, _: muon_lib.path_str(kp).rsplit("/", 1)[-1] in ("kernel", "embedding"), params
+        lambda kp, _: _path(kp).rsplit("/", 1)[-1] in ("kernel", "embedding"), params
     )
 
 
@@ -148,7 +147,7 @@ def _is_row_sharded(leaf, n: int) -> bool:
 
 def muon_plan(opt_cfg: OptimizerConfig, params_like, mesh: Mesh | None = None):
     """The static Muon plan for these parameters (mode `single` when there is no mesh)."""
-    flat = flat_params(params_like)
+    flat = traverse_util.flatten_dict(params_like, sep="/")
     mats = {p: x for p, x in flat.items() if is_muon_path(p)}
     for p, x in mats.items():
         if len(x.shape) != 2:
@@ -202,8 +201,8 @@ def opt_state_shardings(tx: optax.GradientTransformation, params_like, param_sha
     """NamedSharding for every leaf of `tx.init(params)`: a leaf that shadows a parameter
     (momentum, Adam moments) takes that parameter's sharding, scalars (counts) are replicated.
     """
-    by_path = {tuple(p.split("/")): s for p, s in flat_params(param_shardings).items()}
-    shapes = {p: x.shape for p, x in flat_params(params_like).items()}
+    by_path = traverse_util.flatten_dict(param_shardings)  # {("layer_0", "w12", "kernel"): s}
+    shapes = {p: x.shape for p, x in traverse_util.flatten_dict(params_like).items()}
     mesh = next(iter(by_path.values())).mesh
     abstract = jax.eval_shape(tx.init, params_like)
 
@@ -211,8 +210,8 @@ def opt_state_shardings(tx: optax.GradientTransformation, params_like, param_sha
         keys = tuple(str(k.key) for k in kp if isinstance(k, jax.tree_util.DictKey))
         for i in range(len(keys)):
             tail = keys[i:]
-            if tail in by_path and shapes["/".join(tail)] == leaf.shape:
+            if tail in by_path and shapes[tail] == leaf.shape:
                 return by_path[tail]
-        return NamedSharding(mesh, PartitionSpec())
+        return replicated(mesh)
 
     return jax.tree_util.tree_map_with_path(pick, abstract)

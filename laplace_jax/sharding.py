@@ -1,32 +1,41 @@
-"""Sharding as a rules table: logical axis names (from the model) -> mesh axes.
+"""Sharding as a rules table: logical axis names -> mesh axes. Every sharding comes from here.
 
-The model tags every parameter with logical axes (`("embed", "mlp")`); this module alone decides
-where they go. Changing the parallelism changes `LOGICAL_RULES`, never the model.
+The model tags every parameter with logical axes (`("embed", "mlp")`), and the trainer names
+the axes of its batches (`("accum", "batch", "length")`); this module alone decides where they
+go. Changing the parallelism changes `LOGICAL_RULES`, never the model or the trainer.
 
-FSDP over one mesh axis `fsdp`: the first axis of every matrix is split over the devices (so each
-Muon matrix is sharded on dim 0 of its stored kernel), the batch too; 1-D parameters and any
-axis that does not divide by the mesh size stay replicated.
+FSDP over one mesh axis `fsdp`: the first axis of every matrix is split over the devices (so
+each Muon matrix is sharded on dim 0 of its stored kernel), and so are a batch's sequences.
+1-D parameters stay replicated. A matrix axis that does not divide by the mesh size cannot be
+split and is replicated instead: `replicated_fallbacks` lists those, and the trainer prints them.
 """
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import numpy as np
+from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from laplace_jax.config import LaplaceConfig
 from laplace_jax.model import abstract_params, param_logical_axes
+from laplace_spec.config import LaplaceConfig
 
 FSDP = "fsdp"
 
 # (logical axis, mesh axis or None). A logical axis takes its mesh axis only if that mesh axis is
 # not already used by an earlier dimension of the same array and divides the dimension.
 LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
-    ("batch", FSDP),
+    # batches
+    ("batch", FSDP),  # the sequences of a (micro-)batch
+    ("accum", None),  # gradient-accumulation steps of a global batch
+    ("length", None),  # the tokens of a sequence
+    # parameters: the first axis of every matrix
     ("vocab", FSDP),
     ("embed", FSDP),
     ("attn", FSDP),
     ("mlp", FSDP),
+    # parameters: everything else stays whole
     ("qkvg", None),
     ("heads", None),
     ("head_k", None),
@@ -34,7 +43,6 @@ LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
     ("tiers", None),
     ("conv", None),
     ("norm", None),
-    ("length", None),
 )
 
 
@@ -48,17 +56,22 @@ def make_mesh(n_devices: int | None = None, devices=None) -> Mesh:
 
 
 def logical_to_spec(
-    axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, rules=LOGICAL_RULES
+    axes: tuple[str, ...], shape: tuple[int, ...] | None, mesh: Mesh, rules=LOGICAL_RULES
 ) -> PartitionSpec:
-    """Resolve one array's logical axes to a PartitionSpec under `rules`."""
+    """Resolve one array's logical axes to a PartitionSpec under `rules`.
+
+    With a `shape`, an axis that does not divide by its mesh axis stays whole (replicated);
+    without one (batches, whose sizes the trainer checks), the rule applies as written.
+    """
     table = dict(rules)
     used: set[str] = set()
     spec = []
-    for name, size in zip(axes, shape, strict=True):
+    for i, name in enumerate(axes):
         if name not in table:
             raise KeyError(f"logical axis {name!r} has no rule in the sharding table")
         mesh_axis = table[name]
-        if mesh_axis is not None and mesh_axis not in used and size % mesh.shape[mesh_axis] == 0:
+        divides = shape is None or shape[i] % mesh.shape.get(mesh_axis, 1) == 0
+        if mesh_axis is not None and mesh_axis not in used and divides:
             used.add(mesh_axis)
             spec.append(mesh_axis)
         else:
@@ -66,8 +79,26 @@ def logical_to_spec(
     return PartitionSpec(*spec)
 
 
+def logical_sharding(mesh: Mesh, axes: tuple[str, ...], rules=LOGICAL_RULES) -> NamedSharding:
+    """The NamedSharding of an array with these logical axes, e.g. ("batch", "length")."""
+    return NamedSharding(mesh, logical_to_spec(axes, None, mesh, rules))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Scalars and other arrays that every device holds whole."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def abstract_with_shardings(tree, shardings):
+    """`jax.ShapeDtypeStruct`s of `tree` (arrays or structs) placed with `shardings`: what
+    `jit(...).lower` and orbax's restore take to build arrays of that layout."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
 def param_specs(config: LaplaceConfig, mesh: Mesh, rules=LOGICAL_RULES) -> dict:
-    """PartitionSpec of every parameter, shaped like the params dict."""
+    """PartitionSpec of every Laplace parameter, shaped like the params dict."""
     shapes = abstract_params(config)
     axes = param_logical_axes(config)
     return jax.tree.map(
@@ -79,7 +110,7 @@ def param_specs(config: LaplaceConfig, mesh: Mesh, rules=LOGICAL_RULES) -> dict:
 
 
 def param_shardings(config: LaplaceConfig, mesh: Mesh, rules=LOGICAL_RULES) -> dict:
-    """NamedSharding of every parameter, shaped like the params dict."""
+    """NamedSharding of every Laplace parameter, shaped like the params dict."""
     return jax.tree.map(
         lambda spec: NamedSharding(mesh, spec),
         param_specs(config, mesh, rules),
@@ -87,10 +118,33 @@ def param_shardings(config: LaplaceConfig, mesh: Mesh, rules=LOGICAL_RULES) -> d
     )
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Token batches [B, T]: sequences split over `fsdp`."""
-    return NamedSharding(mesh, PartitionSpec(FSDP, None))
+def boxed_shardings(boxed, mesh: Mesh, rules=LOGICAL_RULES) -> dict:
+    """NamedShardings of any Flax params tree whose leaves carry logical axes
+    (`nn.LogicallyPartitioned`, e.g. `jax.eval_shape(model.init, ...)["params"]`)."""
+    return jax.tree.map(
+        lambda b: NamedSharding(mesh, logical_to_spec(b.names, b.value.shape, mesh, rules)),
+        boxed,
+        is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned),
+    )
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())
+def replicated_fallbacks(config: LaplaceConfig, mesh: Mesh, rules=LOGICAL_RULES) -> list[str]:
+    """Parameters whose rule asks for a mesh axis they cannot take (the size does not divide),
+    as `"path [shape]: [size] on fsdp=7"`; such a parameter is replicated, and Muon
+    then orthogonalises it on every device."""
+    table = dict(rules)
+    shapes = traverse_util.flatten_dict(abstract_params(config), sep="/")
+    axes = traverse_util.flatten_dict(param_logical_axes(config), sep="/")
+    specs = traverse_util.flatten_dict(param_specs(config, mesh, rules), sep="/")
+    out = []
+    for path, names in axes.items():
+        wanted = {table[a] for a in names} - {None}
+        taken = set(specs[path]) - {None}
+        for mesh_axis in sorted(wanted - taken):
+            sizes = [
+                s for a, s in zip(names, shapes[path].shape, strict=True) if table[a] == mesh_axis
+            ]
+            out.append(
+                f"{path} {list(shapes[path].shape)}: {sizes} on {mesh_axis}={mesh.shape[mesh_axis]}"
+            )
+    return out

@@ -9,9 +9,14 @@ The math is that of `laplace_jax/model.py` (DESIGN.md sections 2 and 3), step fo
                 x += W_3 (SiLU(W_1 LN_2(x)) * W_2 LN_2(x))
     logits = LN_f(x) W_lm^T
 
+This file holds the state container, the modules, `LaplaceForCausalLM` and the loading of an
+exported folder. The kernels are `serve/kernels.py`, the HF config `serve/configuration_laplace.py`
+(sizes derived from the fields come from `laplace_spec.config`), greedy generation and the
+decode runner `serve/generation.py`.
+
 The recurrent state is an explicit `LaplaceState` (per layer the GLA matrices [B, H, dk, dv] and
 the last W conv inputs [B, W, D], fp32), the layout of docs/parameters.md. Parameter names are the
-exported tensor names of `export/names.py`, checked at construction and on load.
+exported tensor names of `laplace_spec/names.py`, checked at construction and on load.
 
     model = LaplaceForCausalLM.from_exported("exported/")       # or AutoModelForCausalLM
     out = model(input_ids)                                       # logits [B, T, V], out.state
@@ -22,164 +27,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from export import names
+from laplace_spec import names
+from laplace_spec.config import LaplaceConfig
+from serve.configuration_laplace import LaplaceHFConfig
+from serve.kernels import causal_conv, gla_chunked, gla_step, layer_norm
 
 f32 = torch.float32
-
-
-# ---- configuration --------------------------------------------------------------------------
-
-
-class LaplaceConfig(PreTrainedConfig):
-    """The fields of `laplace_jax.config.LaplaceConfig` (defaults: laplace-3b), HF style."""
-
-    model_type = "laplace"
-    attribute_map = {
-        "hidden_size": "d_model",
-        "num_hidden_layers": "n_layers",
-        "num_attention_heads": "n_heads",
-        "intermediate_size": "ffn_dim",
-    }
-
-    def __init__(
-        self,
-        vocab_size: int = 50_304,
-        d_model: int = 3_072,
-        n_layers: int = 24,
-        n_heads: int = 16,
-        d_k: int = 96,
-        d_v: int = 192,
-        conv_width: int = 4,
-        ffn_dim: int = 8_192,
-        t_min: float = 1.0,
-        t_max: float = 2_048.0,
-        n_tiers: int = 4,
-        seq_len: int = 2_048,
-        chunk_size: int = 128,
-        norm_eps: float = 1e-5,
-        init_std: float = 0.02,
-        compute_dtype: str = "float32",
-        max_position_embeddings: int = 65_536,
-        tie_word_embeddings: bool = False,
-        **kwargs,
-    ):
-        self.vocab_size = vocab_size
-        self.d_model = d_model
-        self.n_layers = n_layers
-        self.n_heads = n_heads
-        self.d_k = d_k
-        self.d_v = d_v
-        self.conv_width = conv_width
-        self.ffn_dim = ffn_dim
-        self.t_min = float(t_min)
-        self.t_max = float(t_max)
-        self.n_tiers = n_tiers
-        self.seq_len = seq_len
-        self.chunk_size = chunk_size
-        self.norm_eps = norm_eps
-        self.init_std = init_std
-        self.compute_dtype = compute_dtype
-        self.max_position_embeddings = max_position_embeddings
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
-
-    def state_bytes_per_seq(self) -> int:
-        """fp32 bytes of one sequence's state: L (H dk dv + W D) 4 (29,491,200 for 3B)."""
-        per_layer = self.n_heads * self.d_k * self.d_v + self.conv_width * self.d_model
-        return 4 * self.n_layers * per_layer
-
-
-# ---- the math, as functions shared with the vLLM adapter -------------------------------------
-
-
-def log_decay_schedule(n_heads: int, t_min: float, t_max: float) -> torch.Tensor:
-    """gamma_h = -ln 2 / T_h, T_h = T_min (T_max / T_min) ** (h / (H - 1)); fp64 -> fp32. [H]"""
-    h = torch.arange(n_heads, dtype=torch.float64)
-    half_life = t_min * (t_max / t_min) ** (h / max(n_heads - 1, 1))
-    return (-math.log(2.0) / half_life).to(f32)
-
-
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LayerNorm with a scale and no bias, in fp32."""
-    x32 = x.to(f32)
-    mean = x32.mean(-1, keepdim=True)
-    var = (x32 - mean).square().mean(-1, keepdim=True)
-    return ((x32 - mean) * torch.rsqrt(var + eps) * weight.to(f32)).to(x.dtype)
-
-
-def causal_conv(h, window, weight, bias):
-    """u_t = SiLU(b + sum_j w[:, j] h_{t-W+1+j}).
-
-    h: [B, T, D] new inputs; window: [B, W, D] the last W inputs before them (fp32);
-    weight: [D, W]; bias: [D]. Returns (u [B, T, D], new window [B, W, D] fp32).
-    """
-    T, W = h.shape[1], weight.shape[1]
-    seq = torch.cat([window.to(h.dtype), h], dim=1)  # [B, W + T, D]
-    acc = weight[:, 0] * seq[:, 1 : 1 + T]
-    for j in range(1, W):  # output t sees seq[t + 1 .. t + W]
-        acc = acc + weight[:, j] * seq[:, 1 + j : 1 + j + T]
-    return F.silu(bias + acc), seq[:, -W:].to(f32)
-
-
-def gla_step(q, k, v, log_decay, state, scale):
-    """One token. q, k: [B, H, K]; v: [B, H, V]; state [B, H, K, V] fp32 -> (o [B, H, V], S)."""
-    lam = torch.exp(log_decay.to(f32))[None, :, None, None]
-    state = lam * state + torch.einsum("bhk,bhv->bhkv", k.to(f32), v.to(f32))
-    o = torch.einsum("bhk,bhkv->bhv", scale * q.to(f32), state)
-    return o, state
-
-
-def gla_chunked(q, k, v, log_decay, state, scale, chunk_size):
-    """Chunked GLA (DESIGN.md s3) for any T; the final state counts only the valid tokens.
-
-    q, k: [B, T, H, K]; v: [B, T, H, V]; log_decay: [H]; state: [B, H, K, V] fp32.
-    Returns (o [B, T, H, V] fp32, final state).
-    """
-    B, T, H, K = q.shape
-    V, C = v.shape[-1], chunk_size
-    N = -(-T // C)
-    pad = N * C - T
-    gamma = log_decay.to(f32).view(H, 1, 1)
-
-    def to_chunks(x):  # [B, T, H, X] -> [B, H, N, C, X]
-        x = F.pad(x.to(f32), (0, 0, 0, 0, 0, pad))
-        return x.view(B, N, C, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
-
-    qc, kc, vc = to_chunks(q), to_chunks(k), to_chunks(v)
-    i = torch.arange(C, dtype=f32, device=q.device)[:, None]
-    j = torch.arange(C, dtype=f32, device=q.device)[None, :]
-    causal = i >= j
-    # M_ij = lambda^(i-j) on the lower triangle only (never lambda^(-j): it overflows)
-    M = torch.where(causal, torch.exp(gamma * torch.where(causal, i - j, 0.0)), 0.0)  # [H,C,C]
-    A = torch.einsum("bhnik,bhnjk->bhnij", qc, kc) * scale * M[None, :, None]
-    o = torch.einsum("bhnij,bhnjv->bhniv", A, vc)  # intra-chunk
-
-    valid = torch.full((N,), float(C), dtype=f32, device=q.device)
-    valid[-1] = C - pad
-    L = valid[:, None]  # [N, 1]
-    live = j < L  # [N, C]
-    k_decay = torch.where(
-        live, torch.exp(gamma[:, :, 0:1] * torch.where(live, L - 1 - j, 0.0)), 0.0
-    )  # [H, N, C]: lambda^(L_c - 1 - j)
-    kv = torch.einsum("bhnjk,bhnjv->nbhkv", kc * k_decay[None, ..., None], vc)  # [N,B,H,K,V]
-    chunk_decay = torch.exp(gamma[:, 0, 0][None, :] * valid[:, None])  # [N, H]
-    q_decay = torch.exp(gamma[:, 0] * (i[:, 0] + 1.0)[None, :])  # [H, C]: lambda^(i+1)
-    qs = scale * qc * q_decay[None, :, None, :, None]  # [B, H, N, C, K]
-    inter = []
-    for c in range(N):  # the sequential carry: S_c = lambda^(L_c) S_{c-1} + chunk c's k v^T
-        inter.append(torch.einsum("bhik,bhkv->bhiv", qs[:, :, c], state))
-        state = chunk_decay[c][None, :, None, None] * state + kv[c]
-    o = o + torch.stack(inter, dim=2)  # inter-chunk: scale (Q_c lambda^(i+1)) S_{c-1}
-    o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
-    return o, state
 
 
 # ---- the recurrent state -----------------------------------------------------------------------
@@ -194,16 +55,10 @@ class LaplaceState:
 
     @classmethod
     def zeros(cls, config: LaplaceConfig, batch_size: int, device=None) -> LaplaceState:
-        c = config
+        L, gla, conv = config.n_layers, config.gla_state_shape, config.conv_state_shape
         return cls(
-            [
-                torch.zeros(batch_size, c.n_heads, c.d_k, c.d_v, device=device)
-                for _ in range(c.n_layers)
-            ],
-            [
-                torch.zeros(batch_size, c.conv_width, c.d_model, device=device)
-                for _ in range(c.n_layers)
-            ],
+            [torch.zeros(batch_size, *gla, device=device) for _ in range(L)],
+            [torch.zeros(batch_size, *conv, device=device) for _ in range(L)],
         )
 
     @property
@@ -234,7 +89,7 @@ class LaplaceState:
         )
 
 
-# ---- modules (parameter names == export/names.py's exported names) --------------------------
+# ---- modules (parameter names == laplace_spec/names.py's exported names) --------------------
 
 
 class LaplaceLinear(nn.Linear):
@@ -263,17 +118,17 @@ class LaplaceMixer(nn.Module):
     def __init__(self, config: LaplaceConfig):
         super().__init__()
         c = config
-        self.n_heads, self.d_k, self.d_v, self.n_tiers = c.n_heads, c.d_k, c.d_v, c.n_tiers
+        self.n_heads, self.d_k, self.d_v = c.n_heads, c.d_k, c.d_v
         self.chunk_size, self.eps, self.scale = c.chunk_size, c.norm_eps, c.d_k**-0.5
-        qkvg = c.n_heads * (2 * c.d_k + 2 * c.d_v)
+        self.qkvg_split, self.heads_per_tier = c.qkvg_split, c.heads_per_tier
         # conv as plain parameters (not vLLM linear classes: its CPU backend repacks those)
         self.conv_weight = nn.Parameter(torch.zeros(c.d_model, c.conv_width))  # [D, W]
         self.conv_bias = nn.Parameter(torch.zeros(c.d_model))
-        self.qkvg_proj = LaplaceLinear(c.d_model, qkvg)
+        self.qkvg_proj = LaplaceLinear(c.d_model, c.qkvg_dim)
         self.aug_balance = nn.Parameter(torch.zeros(c.n_heads, c.d_k))
         self.head_norm_weight = nn.Parameter(torch.ones(c.n_tiers, c.d_v))
         self.out_proj = LaplaceLinear(c.n_heads * c.d_v, c.d_model)
-        self.t_min, self.t_max = c.t_min, c.t_max  # the decays are fixed, not parameters
+        self.log_decay = c.log_decay()  # H fp64 numbers: the decays are fixed, not parameters
 
     def forward(self, h, window, gla_state):
         """h: [B, T, D] (LN_1 output); window [B, W, D]; gla_state [B, H, dk, dv].
@@ -291,15 +146,15 @@ class LaplaceMixer(nn.Module):
     def project(self, u):
         """u [..., D] -> q, k [..., H, dk]; v [..., H, dv]; g [..., H * dv]."""
         H, dk, dv = self.n_heads, self.d_k, self.d_v
-        q, k, v, g = self.qkvg_proj(u).split([H * dk, H * dk, H * dv, H * dv], dim=-1)
+        q, k, v, g = self.qkvg_proj(u).split(self.qkvg_split, dim=-1)
         lead = u.shape[:-1]
         return q.view(*lead, H, dk), k.view(*lead, H, dk), v.view(*lead, H, dv), g
 
     def mix(self, q, k, v, gla_state):
         """GLA over [B, T, H, *] from `gla_state`: the O(1) step if T == 1, else chunked."""
-        # computed, not a buffer: nothing to load, and nothing left uninitialised by meta-device
-        # loading (H numbers per call)
-        log_decay = log_decay_schedule(self.n_heads, self.t_min, self.t_max).to(q.device)
+        # made per call from floats, not a buffer: nothing to load, and nothing left
+        # uninitialised by meta-device loading (H numbers per call)
+        log_decay = torch.tensor(self.log_decay, dtype=f32, device=q.device)
         if q.shape[1] == 1:
             o, gla_state = gla_step(q[:, 0], k[:, 0], v[:, 0], log_decay, gla_state, self.scale)
             return o[:, None], gla_state  # [B, 1, H, dv]
@@ -313,7 +168,7 @@ class LaplaceMixer(nn.Module):
         o = o + aug * v.to(f32)
         # head RMSNorm, one scale per tier of contiguous heads
         o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + self.eps)
-        o = o * self.head_norm_weight.to(f32).repeat_interleave(H // self.n_tiers, dim=0)
+        o = o * self.head_norm_weight.to(f32).repeat_interleave(self.heads_per_tier, dim=0)
         y = o.reshape(*o.shape[:-2], H * dv).to(g.dtype) * F.silu(g)
         return self.out_proj(y)
 
@@ -379,7 +234,7 @@ class LaplaceOutput(ModelOutput):
 
 
 class LaplacePreTrainedModel(PreTrainedModel):
-    config_class = LaplaceConfig
+    config_class = LaplaceHFConfig
     base_model_prefix = "model"
     _no_split_modules = ["LaplaceDecoderLayer"]
 
@@ -391,16 +246,21 @@ class LaplacePreTrainedModel(PreTrainedModel):
 
 
 class LaplaceForCausalLM(LaplacePreTrainedModel):
-    def __init__(self, config: LaplaceConfig):
+    def __init__(self, config: LaplaceHFConfig):
         super().__init__(config)
-        self.model = LaplaceModel(config)
-        self.lm_head = LaplaceLinear(config.d_model, config.vocab_size)
+        spec = config.laplace_config
+        self.model = LaplaceModel(spec)
+        self.lm_head = LaplaceLinear(spec.d_model, spec.vocab_size)
         self.post_init()
         ours = {n: tuple(p.shape) for n, p in self.named_parameters()}
-        names.check_tensors(config, ours, side="LaplaceForCausalLM parameters vs export/names.py")
+        names.check_tensors(
+            spec, ours, side="LaplaceForCausalLM parameters vs laplace_spec/names.py"
+        )
 
     def init_state(self, batch_size: int) -> LaplaceState:
-        return LaplaceState.zeros(self.config, batch_size, self.lm_head.weight.device)
+        return LaplaceState.zeros(
+            self.config.laplace_config, batch_size, self.lm_head.weight.device
+        )
 
     def forward(self, input_ids, state: LaplaceState | None = None, labels=None, **kwargs):
         """input_ids [B, T] from `state` (None: the empty state) -> logits [B, T, V], state."""
@@ -413,15 +273,16 @@ class LaplaceForCausalLM(LaplacePreTrainedModel):
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
         return LaplaceOutput(loss=loss, logits=logits, state=state)
 
-    # ---- loading the exported folder (names and shapes from export/names.py) ----------------
+    # ---- loading the exported folder (names and shapes from laplace_spec/names.py) ---------
 
     @classmethod
     def from_exported(cls, path: str | Path, dtype: torch.dtype = f32) -> LaplaceForCausalLM:
         """Load an exported folder; a missing, extra or mis-shaped tensor is an error."""
         path = Path(path)
-        config = LaplaceConfig.from_dict(json.loads((path / "config.json").read_text()))
+        config = LaplaceHFConfig.from_dict(json.loads((path / "config.json").read_text()))
         tensors = load_safetensors_folder(path)
-        names.check_tensors(config, {k: tuple(v.shape) for k, v in tensors.items()}, side=str(path))
+        shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+        names.check_tensors(config.laplace_config, shapes, side=str(path))
         with torch.device("meta"):
             model = cls(config)
         model = model.to_empty(device="cpu")
@@ -430,88 +291,6 @@ class LaplaceForCausalLM(LaplacePreTrainedModel):
             for name, t in tensors.items():
                 params[name].copy_(t.to(f32))
         return model.to(dtype).eval()
-
-    # ---- greedy generation with an explicit state -------------------------------------------
-
-    @torch.no_grad()
-    def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, LaplaceState]:
-        """Each prompt on its own (any lengths); returns (last logits [B, V], stacked state)."""
-        logits, states = [], []
-        for p in prompts:
-            out = self(torch.tensor([p], dtype=torch.long))
-            logits.append(out.logits[:, -1])
-            states.append(out.state)
-        return torch.cat(logits), LaplaceState.cat(states)
-
-    @torch.no_grad()
-    def greedy_generate(
-        self, prompts: list[list[int]], max_new_tokens: int, decoder: DecodeRunner | None = None
-    ) -> list[list[int]]:
-        """Greedy tokens for prompts of any lengths, decoded together as one batch."""
-        decoder = decoder or DecodeRunner(self)
-        logits, state = self.prefill(prompts)
-        tokens = logits.argmax(-1)
-        out = [tokens]
-        for _ in range(max_new_tokens - 1):
-            logits, state = decoder.step(tokens, state)
-            tokens = logits.argmax(-1)
-            out.append(tokens)
-        return torch.stack(out, 1).tolist()
-
-
-class DecodeRunner:
-    """One decode step for a batch, optionally compiled, with batch-width padding.
-
-    Compiled code specialises on the batch width; padding each batch up to the next of a few
-    fixed widths (zero state rows, token 0) bounds the number of compiled shapes. Padding turns
-    on the row-exact matmuls (`LaplaceLinear`), so rows never interact, not even through BLAS
-    blocking: the real rows of a padded batch are bit-identical to the unpadded batch's.
-    `compile=False, widths=None` is plain eager decoding.
-    """
-
-    def __init__(
-        self,
-        model: LaplaceForCausalLM,
-        *,
-        compile: bool = False,
-        widths: tuple[int, ...] | None = None,
-        row_exact: bool | None = None,
-        backend: str = "inductor",
-    ):
-        self.model = model
-        self.widths = tuple(sorted(widths)) if widths else None
-        self.row_exact = bool(widths) if row_exact is None else row_exact
-        self.shapes_seen: set[int] = set()
-        fn = self._step
-        self.fn = torch.compile(fn, dynamic=False, backend=backend) if compile else fn
-
-    def _step(self, tokens, gla, conv):
-        out = self.model(tokens[:, None], LaplaceState(list(gla), list(conv)))
-        return out.logits[:, 0], out.state.gla, out.state.conv
-
-    def width_for(self, n: int) -> int:
-        if not self.widths:
-            return n
-        for w in self.widths:
-            if w >= n:
-                return w
-        return n  # wider than the largest bucket: run as is
-
-    @torch.no_grad()
-    def step(self, tokens: torch.Tensor, state: LaplaceState):
-        """tokens [B] -> (logits [B, V], new state of B rows)."""
-        n = tokens.shape[0]
-        w = self.width_for(n)
-        self.shapes_seen.add(w)
-        if w > n:
-            tokens = torch.cat([tokens, tokens.new_zeros(w - n)])
-            state = state.padded(w)
-        for m in self.model.modules():
-            if isinstance(m, LaplaceLinear):
-                m.row_exact = self.row_exact
-        logits, gla, conv = self.fn(tokens, tuple(state.gla), tuple(state.conv))
-        state = LaplaceState(list(gla), list(conv))
-        return logits[:n], (state.select(slice(0, n)) if w > n else state)
 
 
 def load_safetensors_folder(path: Path) -> dict[str, torch.Tensor]:
@@ -531,5 +310,4 @@ def load_safetensors_folder(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-AutoConfig.register("laplace", LaplaceConfig, exist_ok=True)
-AutoModelForCausalLM.register(LaplaceConfig, LaplaceForCausalLM, exist_ok=True)
+AutoModelForCausalLM.register(LaplaceHFConfig, LaplaceForCausalLM, exist_ok=True)

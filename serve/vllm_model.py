@@ -13,8 +13,10 @@ and writes its page through the forward context's `LinearAttentionMetadata`:
 A sequence's first step can be a "decode" (a 1-token prompt): its page still holds an old
 sequence's state, so rows with seq_len == 1 start from zeros.
 
-The math is `serve/modeling_laplace.py`'s (same modules, same functions); parameter names are
-the exported names of `export/names.py`, and `load_weights` accounts for every tensor.
+The math is `serve/modeling_laplace.py`'s (same modules, the kernels of `serve/kernels.py`);
+sizes and state shapes come from `laplace_spec.config` (`hf_config.laplace_config`); parameter
+names are the exported names of `laplace_spec/names.py`, and `load_weights` accounts for every
+tensor.
 """
 
 from __future__ import annotations
@@ -32,20 +34,12 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from export import names
-from serve.modeling_laplace import (
-    LaplaceLayerNorm,
-    LaplaceMixer,
-    LaplaceMLP,
-    causal_conv,
-)
+from laplace_spec import names
+from laplace_spec.config import LaplaceConfig
+from serve.kernels import causal_conv
+from serve.modeling_laplace import LaplaceLayerNorm, LaplaceMixer, LaplaceMLP
 
 f32 = torch.float32
-
-
-def state_shapes(cfg) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """One sequence's state page per layer: GLA [H, dk, dv] and conv window [W, D]."""
-    return (cfg.n_heads, cfg.d_k, cfg.d_v), (cfg.conv_width, cfg.d_model)
 
 
 class VLLMLinear(ReplicatedLinear):
@@ -66,12 +60,11 @@ class VLLMLinear(ReplicatedLinear):
 class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
     """The token mixer as a vLLM state layer; `self.kv_cache` = (gla pages, conv pages)."""
 
-    def __init__(self, config, prefix: str):
+    def __init__(self, config: LaplaceConfig, prefix: str):
         LaplaceMixer.__init__(self, config)
         self.config = config
         c = config
-        qkvg = c.n_heads * (2 * c.d_k + 2 * c.d_v)
-        self.qkvg_proj = VLLMLinear(c.d_model, qkvg, prefix=f"{prefix}.qkvg_proj")
+        self.qkvg_proj = VLLMLinear(c.d_model, c.qkvg_dim, prefix=f"{prefix}.qkvg_proj")
         self.out_proj = VLLMLinear(c.n_heads * c.d_v, c.d_model, prefix=f"{prefix}.out_proj")
         self.prefix = prefix
         vllm_config = get_current_vllm_config()
@@ -86,8 +79,8 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
     def mamba_type(self) -> MambaAttentionBackendEnum:
         return MambaAttentionBackendEnum.LINEAR
 
-    def get_state_shape(self):
-        return state_shapes(self.config)
+    def get_state_shape(self):  # one sequence's page: GLA [H, dk, dv], conv window [W, D]
+        return self.config.gla_state_shape, self.config.conv_state_shape
 
     def get_state_dtype(self):
         return (f32, f32)  # the state is accumulated in fp32 whatever the weights' dtype
@@ -102,12 +95,11 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
         if isinstance(meta, dict):
             meta = meta.get(self.prefix)
         if meta is None:  # profiling run: no pages; same work, zero state, one sequence
-            W, D = self.conv_weight.shape[1], h.shape[-1]
             y, _, _ = LaplaceMixer.forward(
                 self,
                 h[None],
-                h.new_zeros(1, W, D, dtype=f32),
-                h.new_zeros(1, *state_shapes(self.config)[0], dtype=f32),
+                h.new_zeros(1, *self.config.conv_state_shape, dtype=f32),
+                h.new_zeros(1, *self.config.gla_state_shape, dtype=f32),
             )
             out.copy_(y[0])
             return
@@ -176,7 +168,7 @@ direct_register_custom_op(
 
 
 class LaplaceVLLMDecoderLayer(nn.Module):
-    def __init__(self, config, prefix: str):
+    def __init__(self, config: LaplaceConfig, prefix: str):
         super().__init__()
         self.ln_1 = LaplaceLayerNorm(config.d_model, config.norm_eps)
         self.mixer = LaplaceVLLMMixer(config, prefix=f"{prefix}.mixer")
@@ -195,7 +187,7 @@ class LaplaceVLLMDecoderLayer(nn.Module):
 class LaplaceVLLMModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        config = vllm_config.model_config.hf_config
+        config = vllm_config.model_config.hf_config.laplace_config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(
             LaplaceVLLMDecoderLayer(config, prefix=f"{prefix}.layers.{i}")
@@ -220,7 +212,8 @@ class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
-        return state_shapes(vllm_config.model_config.hf_config)
+        config = vllm_config.model_config.hf_config.laplace_config
+        return config.gla_state_shape, config.conv_state_shape
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
@@ -228,14 +221,14 @@ class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        config = vllm_config.model_config.hf_config
+        config = vllm_config.model_config.hf_config.laplace_config
         self.config = config
         self.model = LaplaceVLLMModel(
             vllm_config=vllm_config, prefix=f"{prefix}.model" if prefix else "model"
         )
         self.lm_head = VLLMLinear(config.d_model, config.vocab_size, prefix="lm_head")
         ours = {n: tuple(p.shape) for n, p in self.named_parameters()}
-        names.check_tensors(config, ours, side="vLLM Laplace parameters vs export/names.py")
+        names.check_tensors(config, ours, side="vLLM Laplace parameters vs laplace_spec/names.py")
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -249,7 +242,7 @@ class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         return self.lm_head(hidden_states).to(f32)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Every exported tensor, by the names of export/names.py; anything else is an error."""
+        """Every exported tensor, by laplace_spec/names.py's names; anything else is an error."""
         params = dict(self.named_parameters())
         got = {}
         with torch.no_grad():

@@ -12,7 +12,7 @@ ARCH = "LaplaceForCausalLM"
 def register() -> None:
     from vllm import ModelRegistry
 
-    import serve.modeling_laplace  # noqa: F401  registers model_type "laplace" with AutoConfig
+    import serve.configuration_laplace  # noqa: F401  registers model_type "laplace" (AutoConfig)
 
     if ARCH not in ModelRegistry.get_supported_archs():
         # lazy "module:Class" form: the model module is imported only when it is used

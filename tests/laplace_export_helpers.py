@@ -13,7 +13,7 @@ EOS = "<|endoftext|>"
 
 
 def tiny_config():
-    from laplace_jax.config import get_config
+    from laplace_spec.config import get_config
 
     return get_config("tiny", TINY_OVERRIDES)
 

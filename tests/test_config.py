@@ -6,7 +6,7 @@ import re
 import pytest
 
 from laplace_jax.accounting import parameter_counts
-from laplace_jax.config import PRESETS, ConfigError, LaplaceConfig, get_config
+from laplace_spec.config import PRESETS, ConfigError, LaplaceConfig, get_config
 
 
 def test_laplace_3b_preset_is_the_design_table():

@@ -12,14 +12,13 @@ import math
 
 import numpy as np
 import pytest
+import torch
+from laplace_export_helpers import make_run, random_params, tiny_config
 
-torch = pytest.importorskip("torch")
-
-from laplace_export_helpers import make_run, random_params, tiny_config  # noqa: E402
-
-from export import exporter, names  # noqa: E402
-from export.exporter import ExportError  # noqa: E402
-from export.main import main as export_main  # noqa: E402
+from export import exporter
+from export.exporter import ExportError
+from export.main import main as export_main
+from laplace_spec import names
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +45,14 @@ def exported(tmp_path_factory, run_dir):
 
 def test_name_table_covers_the_jax_model_exactly():
     """The table's paths and shapes are those of the Flax model (tiny and laplace-3b)."""
-    from laplace_jax.config import get_config
-    from laplace_jax.model import abstract_params, flat_paths
+    from flax.traverse_util import flatten_dict
+
+    from laplace_jax.model import abstract_params
+    from laplace_spec.config import get_config
 
     for preset in ("tiny", "laplace-3b"):
         c = get_config(preset)
-        model = {k: tuple(v.shape) for k, v in flat_paths(abstract_params(c)).items()}
+        model = {k: tuple(v.shape) for k, v in flatten_dict(abstract_params(c), sep="/").items()}
         table = {e.jax_path: e.jax_shape for e in names.table(c)}
         assert table == model
         if preset == "laplace-3b":
@@ -88,7 +89,8 @@ def test_folder_layout_and_auto_classes(cfg, exported):
     conf = json.loads((exported / "config.json").read_text())
     assert conf["architectures"] == ["LaplaceForCausalLM"] and conf["model_type"] == "laplace"
     assert {k: conf[k] for k in cfg.to_dict()} == cfg.to_dict()  # every LaplaceConfig field
-    assert AutoConfig.from_pretrained(exported).hidden_size == cfg.d_model
+    hf = AutoConfig.from_pretrained(exported)
+    assert hf.hidden_size == cfg.d_model and hf.laplace_config == cfg  # the fields round-trip
     auto = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
     ours = LaplaceForCausalLM.from_exported(exported)
     ids = torch.tensor([[1, 2, 3, 4, 5]])

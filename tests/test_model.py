@@ -7,18 +7,17 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.traverse_util import flatten_dict
 
-from laplace_jax.accounting import parameter_counts, state_bytes_per_sequence
-from laplace_jax.config import PRESETS
+from laplace_jax.accounting import parameter_counts
 from laplace_jax.model import (
     LaplaceLM,
     abstract_params,
-    flat_paths,
     init_params,
     init_state,
     is_muon_path,
-    log_decay_schedule,
 )
+from laplace_spec.config import PRESETS
 
 TINY = PRESETS["tiny"]
 
@@ -41,7 +40,7 @@ def randomised_params(cfg, seed=0):
 
 
 def numpy_forward(p, cfg, tokens):
-    p = {k: np.asarray(v, np.float64) for k, v in flat_paths(p).items()}
+    p = {k: np.asarray(v, np.float64) for k, v in flatten_dict(p, sep="/").items()}
     H, dk, dv, W, eps = cfg.n_heads, cfg.d_k, cfg.d_v, cfg.conv_width, cfg.norm_eps
     lam = 2.0 ** (-1.0 / (cfg.t_min * (cfg.t_max / cfg.t_min) ** (np.arange(H) / (H - 1))))
     silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
@@ -168,7 +167,7 @@ def test_aug_balance_zero_is_a_half_strength_value_skip():
 
 
 def test_decay_schedule():
-    gamma = log_decay_schedule(PRESETS["laplace-3b"])
+    gamma = np.asarray(PRESETS["laplace-3b"].log_decay(), np.float32)
     lam = np.exp(gamma.astype(np.float64))
     assert gamma.shape == (16,) and np.all(gamma < 0)
     np.testing.assert_allclose(lam[0], 0.5, rtol=1e-6)
@@ -189,7 +188,7 @@ def test_laplace_3b_counts_without_allocating():
         "adamw_params": 309_642_240,
         "total_params": 3_027_551_232,
     }
-    shapes = flat_paths(abstract_params(PRESETS["laplace-3b"]))
+    shapes = flatten_dict(abstract_params(PRESETS["laplace-3b"]), sep="/")
     assert shapes["embed/embedding"].shape == (50_304, 3_072)
     assert shapes["lm_head/kernel"].shape == (3_072, 50_304)
     assert shapes["layer_0/qkvg/kernel"].shape == (3_072, 9_216)
@@ -204,12 +203,12 @@ def test_laplace_3b_counts_without_allocating():
 
 def test_state_bytes():
     cfg = PRESETS["laplace-3b"]
-    assert state_bytes_per_sequence(cfg) == {
+    assert cfg.state_bytes_per_sequence() == {
         "gla": 28_311_552,
         "conv": 1_179_648,
         "total": 29_491_200,
     }
-    assert state_bytes_per_sequence(cfg, conv_window=3)["total"] == 29_196_288
+    assert cfg.state_bytes_per_sequence(conv_window=3)["total"] == 29_196_288
     # the state the model actually allocates has exactly the computed size
     abstract = jax.eval_shape(lambda: init_state(cfg, 1))
     assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)) == 29_491_200
@@ -241,7 +240,7 @@ def test_rbg_prng_initialises_and_runs():
 
 
 def test_jit_on_8_simulated_devices_matches_one_device():
-    from laplace_jax.sharding import batch_sharding, make_mesh, param_shardings
+    from laplace_jax.sharding import logical_sharding, make_mesh, param_shardings
 
     assert jax.device_count() >= 8, "tests/conftest.py sets 8 host devices"
     mesh = make_mesh(8)
@@ -250,11 +249,13 @@ def test_jit_on_8_simulated_devices_matches_one_device():
     shardings = param_shardings(TINY, mesh)
     sharded = jax.device_put(params, shardings)
     assert sharded["layer_0"]["w12"]["kernel"].sharding.spec[0] == "fsdp"
+    batch_sharding = logical_sharding(mesh, ("batch", "length"))
+    assert tuple(batch_sharding.spec) == ("fsdp", None)
     forward = jax.jit(
         lambda p, t: LaplaceLM(TINY).apply({"params": p}, t)[0],
-        in_shardings=(shardings, batch_sharding(mesh)),
+        in_shardings=(shardings, batch_sharding),
     )
-    logits = forward(sharded, jax.device_put(tokens, batch_sharding(mesh)))
+    logits = forward(sharded, jax.device_put(tokens, batch_sharding))
     single, _ = jax.jit(LaplaceLM(TINY).apply)({"params": params}, tokens)
     np.testing.assert_allclose(logits, single, rtol=1e-5, atol=1e-5)
 
@@ -266,3 +267,24 @@ def test_bfloat16_compute_runs_close_to_fp32():
     b16, _ = LaplaceLM(TINY.replace(compute_dtype="bfloat16")).apply({"params": params}, tokens)
     assert b16.dtype == jnp.float32  # logits are returned in fp32
     assert float(jnp.abs(b16 - f32).max()) <= 0.1 * float(jnp.abs(f32).max())
+
+
+def test_axes_that_do_not_divide_are_replicated_and_listed():
+    """On 3 devices tiny's 64-wide axes cannot be split: those matrices stay whole, and
+    `replicated_fallbacks` names each of them (the trainer prints the list at start-up)."""
+    from laplace_jax.sharding import make_mesh, param_specs, replicated_fallbacks
+
+    assert replicated_fallbacks(TINY, make_mesh(8)) == []
+    mesh = make_mesh(3)
+    specs = flatten_dict(param_specs(TINY, mesh), sep="/")
+    listed = {line.split(" ")[0] for line in replicated_fallbacks(TINY, mesh)}
+    # every matrix asks for fsdp (no axis of 64, 128, 320 divides by 3); the 1-D parameters,
+    # aug_balance (heads, head_k) and the head-norm scales (tiers, head_v) never ask for it
+    matrices = {
+        p
+        for p, s in specs.items()
+        if len(s) == 2 and not p.endswith(("aug_balance", "head_norm/scale"))
+    }
+    assert listed == matrices
+    assert all(tuple(specs[p]) == (None, None) for p in listed)
+    assert "layer_0/w12/kernel [64, 256]: [64, 256] on fsdp=3" in replicated_fallbacks(TINY, mesh)

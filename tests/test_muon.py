@@ -12,13 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax.traverse_util import flatten_dict
 from jax.sharding import NamedSharding, PartitionSpec
 
 from laplace_jax import muon
-from laplace_jax.config import PRESETS
-from laplace_jax.model import abstract_params, flat_paths, init_params, is_muon_path
+from laplace_jax.model import abstract_params, init_params, is_muon_path
+from laplace_jax.muon_accounting import a2a_bytes_per_device, gather_bytes_per_device, ns_flops
+from laplace_jax.muon_tiles import plan_tiles
+from laplace_jax.newton_schulz import NS_DTYPES, newton_schulz
 from laplace_jax.optim import OPTIMIZER_PRESETS, make_optimizer, opt_state_shardings
-from laplace_jax.sharding import make_mesh, param_shardings
+from laplace_jax.sharding import FSDP, make_mesh, param_shardings
+from laplace_spec.config import PRESETS
 
 A, B, C = 3.4445, -4.7750, 2.0315
 
@@ -62,7 +66,7 @@ def np_muon(params, grads_per_step, lr, mu=0.95, wd=0.0, kind="adamw_rms", neste
 
 
 def _tiny_muon_shapes():
-    shapes = flat_paths(abstract_params(PRESETS["tiny"]))
+    shapes = flatten_dict(abstract_params(PRESETS["tiny"]), sep="/")
     return {p: tuple(s.shape) for p, s in shapes.items() if is_muon_path(p)}
 
 
@@ -95,14 +99,12 @@ def test_newton_schulz_singular_values_in_band(dtype):
         "ill-conditioned": rng.standard_normal((40, 64)) * np.geomspace(1, 1e-2, 40)[:, None],
     }
     for name, g in cases.items():
-        y = muon.newton_schulz(jnp.asarray(g, jnp.float32), dtype=muon.NS_DTYPES[dtype])
-        assert y.shape == g.shape and y.dtype == muon.NS_DTYPES[dtype]
+        y = newton_schulz(jnp.asarray(g, jnp.float32), dtype=NS_DTYPES[dtype])
+        assert y.shape == g.shape and y.dtype == NS_DTYPES[dtype]
         sv = np.linalg.svd(np.asarray(y, np.float64), compute_uv=False)
         assert sv.min() > 0.6 and sv.max() < 1.25, (name, sv.min(), sv.max())
     g = _rank_deficient(rng, (64, 48), 5)
-    sv = np.linalg.svd(
-        np.asarray(muon.newton_schulz(g, dtype=muon.NS_DTYPES[dtype])), compute_uv=False
-    )
+    sv = np.linalg.svd(np.asarray(newton_schulz(g, dtype=NS_DTYPES[dtype])), compute_uv=False)
     assert sv[:5].min() > 0.6 and sv[:5].max() < 1.25
     assert sv[5:].max() < (1e-4 if dtype == "float32" else 0.5)
 
@@ -115,7 +117,7 @@ def test_newton_schulz_matches_float64_reference():
     for shape in [(32, 32), (24, 64), (64, 24)]:
         g = rng.standard_normal(shape)
         ref = np_newton_schulz(g)
-        got = np.asarray(muon.newton_schulz(jnp.asarray(g, jnp.float32), dtype=jnp.float32))
+        got = np.asarray(newton_schulz(jnp.asarray(g, jnp.float32), dtype=jnp.float32))
         assert np.max(np.abs(got - ref)) < 1e-4 * np.max(np.abs(ref))
 
 
@@ -166,7 +168,7 @@ def test_single_device_muon_matches_numpy_over_steps(kind):
         for t in range(4):
             upd, state = step(tree(grads[t]), state, p)
             p = optax.apply_updates(p, upd)
-            got = flat_paths(p)
+            got = flatten_dict(p, sep="/")
             for k in shapes:
                 diff = np.asarray(got[k], np.float64) - ref[t][k]
                 if dtype == "float32":
@@ -198,35 +200,40 @@ def test_tile_plan_is_a_packing(preset, n):
     """Every matrix placed once, whole, on one device; tiles never overlap or overflow."""
     shapes = {
         p: tuple(s.shape)
-        for p, s in flat_paths(abstract_params(PRESETS[preset])).items()
+        for p, s in flatten_dict(abstract_params(PRESETS[preset]), sep="/").items()
         if is_muon_path(p)
     }
-    pools, rest = muon.plan_tiles(shapes, n)
+    pools, rest = plan_tiles(shapes, n)
     assert rest == [] and len(pools) == 1
     pool = pools[0]
     assert sorted(m.path for m in pool.matrices) == sorted(shapes)
-    used = np.zeros((n, pool.T), int)
+    used = np.zeros((n, pool.tile_slots), int)
     for m in pool.matrices:
-        assert m.n_tiles * pool.w == max(m.shape)
+        assert m.n_tiles * pool.tile_width == max(m.shape)
         used[m.owner, m.first_slot : m.first_slot + m.n_tiles] += 1
     assert used.max() == 1
     seg = pool.seg_table()
     assert np.array_equal(seg.sum(axis=1), used)  # every used slot in exactly one matrix slot
     if preset == "laplace-3b" and n == 64:
         # T is set by W_12 (16 tiles of 1,024 columns); no device is left without a matrix
-        assert (pool.s, pool.w, pool.T, pool.M) == (3072, 1024, 16, 2)
+        assert (pool.short_side, pool.tile_width, pool.tile_slots, pool.matrix_slots) == (
+            3072,
+            1024,
+            16,
+            2,
+        )
         assert min(pool.loads()) > 0
-        item = 2
-        a2a = muon.a2a_bytes_per_device(pools, item)
-        assert a2a == 4 * 63 * 16 * 3072 * 1024 * item // 64 == 396_361_728
-        gather = muon.gather_bytes_per_device(shapes, n, item)
-        assert gather == 2 * 63 * 2_717_908_992 * item // 64 == 10_701_766_656
-        # whole matrices on one device: the ratio is bounded by S / (2 |W_12|) = 27.0
-        assert gather / a2a == 2_717_908_992 / (2 * 3072 * 16384) == 27.0
+        # DESIGN.md s4 and s8: Muon's two all_to_alls move 396,361,728 bytes per device (bf16);
+        # gather moves 2 x 63/64 of the 5.44 GB gradient; the ratio is the 27.0 bound.
+        a2a = a2a_bytes_per_device(pools, 2)
+        gather = gather_bytes_per_device(shapes, n, 2)
+        assert a2a == 396_361_728
+        assert gather == 10_701_766_656
+        assert gather / a2a == 27.0
         # Newton-Schulz FLOPs: the write-up's 1.95e14 (2% of 9.53e15)
-        assert round(sum(muon.ns_flops(s) for s in shapes.values()) / 1e12) == 195
+        assert round(sum(ns_flops(s) for s in shapes.values()) / 1e12) == 195
     if preset == "laplace-3b" and n == 8:
-        assert pool.T == 108  # 864 tiles / 8: a perfect packing
+        assert pool.tile_slots == 108  # 864 tiles / 8: a perfect packing
 
 
 # ---- distributed vs single device on 8 simulated devices ------------------------------------
@@ -278,7 +285,7 @@ def _run(mode, dtype, setup, mesh=True):
     for g in grads:
         upd, state = step(g, state, p)
         p = optax.apply_updates(p, upd)
-        outs.append(flat_paths(jax.device_get(upd)))
+        outs.append(flatten_dict(jax.device_get(upd), sep="/"))
     return outs, state, hlo
 
 
@@ -316,22 +323,22 @@ def test_compiled_update_collectives_and_state_sharding(tiny_setup):
     counts = _collectives(hlo)
     assert counts["all-to-all"] == 2 and counts["all-gather"] == 0, counts
     # each all_to_all moves the static [n, T, s w / n] layout: T s w elements per device
-    pools, rest = muon.plan_tiles(_tiny_muon_shapes(), 8)
+    pools, rest = plan_tiles(_tiny_muon_shapes(), 8)
     (pool,) = pools
     sizes = [
         sum(math.prod(int(d) for d in dims.split(",")) for dims in re.findall(r"\[([\d,]+)\]", t))
         for t in re.findall(r"^\s*\S+ = (.*) all-to-all\(", hlo, re.M)
     ]
-    assert rest == [] and sizes == [pool.T * pool.s * pool.w] * 2, sizes
+    assert rest == [] and sizes == [pool.tile_slots * pool.short_side * pool.tile_width] * 2, sizes
     assert counts["reduce-scatter"] == 0 and counts["collective-permute"] == 0, counts
-    for path, sh in flat_paths(shard).items():
+    for path, sh in flatten_dict(shard, sep="/").items():
         if is_muon_path(path):
             mom = state.inner_states["muon"].inner_state[0].momentum
-            assert flat_paths(mom)[path].sharding.is_equivalent_to(sh, 2)
-            assert sh.spec[0] == "fsdp"
+            assert flatten_dict(mom, sep="/")[path].sharding.is_equivalent_to(sh, 2)
+            assert sh.spec[0] == FSDP
         else:
             nu = state.inner_states["adamw"].inner_state[0].nu
-            assert flat_paths(nu)[path].sharding.is_equivalent_to(sh, len(sh.spec) or 1)
+            assert flatten_dict(nu, sep="/")[path].sharding.is_equivalent_to(sh, len(sh.spec) or 1)
     _, _, hlo = _run("gather", "bfloat16", tiny_setup)
     counts = _collectives(hlo)
     assert counts["all-gather"] == 4 and counts["all-to-all"] == 0, counts
@@ -360,8 +367,8 @@ def test_mixed_shapes_fallbacks():
     pools, rest = plan.pools()
     # s = 16 pool: w = gcd(100, 60, 40) = 20 does not split in 8 rows, so the tall `d` goes
     # to the all-gather fallback; `c` (20 rows) is replicated and orthogonalised locally.
-    assert rest == ["d"] and sorted(p.s for p in pools) == [16, 24]
-    spec = {k: PartitionSpec("fsdp") if k in sharded else PartitionSpec() for k in shapes}
+    assert rest == ["d"] and sorted(p.short_side for p in pools) == [16, 24]
+    spec = {k: PartitionSpec(FSDP) if k in sharded else PartitionSpec() for k in shapes}
     fn = jax.jit(plan.orthogonalize)
     got = fn({k: jax.device_put(v, NamedSharding(mesh, spec[k])) for k, v in grads.items()})
     for k in shapes:

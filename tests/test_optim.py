@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax.traverse_util import flatten_dict
 
-from laplace_jax.config import PRESETS
-from laplace_jax.model import abstract_params, flat_paths, init_params
+from laplace_jax.model import abstract_params, init_params
 from laplace_jax.optim import (
     OPTIMIZER_PRESETS,
     OptimizerConfig,
@@ -20,6 +20,7 @@ from laplace_jax.optim import (
     muon_plan,
     param_labels,
 )
+from laplace_spec.config import PRESETS
 
 
 def test_presets_match_model_presets_and_3b_recipe():
@@ -58,8 +59,8 @@ def test_config_validation_and_overrides():
 
 def test_muon_adamw_split_for_3b_is_exact():
     """By path, not ndim: 96 matrices / 2,717,908,992 vs 309,642,240 (DESIGN.md s2)."""
-    shapes = flat_paths(abstract_params(PRESETS["laplace-3b"]))
-    labels = flat_paths(param_labels(abstract_params(PRESETS["laplace-3b"])))
+    shapes = flatten_dict(abstract_params(PRESETS["laplace-3b"]), sep="/")
+    labels = flatten_dict(param_labels(abstract_params(PRESETS["laplace-3b"])), sep="/")
     muon = [p for p, lab in labels.items() if lab == "muon"]
     n_muon = sum(math.prod(shapes[p].shape) for p in muon)
     n_adamw = sum(math.prod(s.shape) for p, s in shapes.items() if labels[p] == "adamw")
@@ -123,7 +124,7 @@ def test_adamw_half_matches_numpy_with_lr_ratio_and_decay_mask():
         p = optax.apply_updates(p, upd)
     sched = learning_rate_schedule(cfg)
     lrs = [0.3 * float(sched(t)) for t in range(3)]
-    got, p0 = flat_paths(p), flat_paths(params)
+    got, p0 = flatten_dict(p, sep="/"), flatten_dict(params, sep="/")
     for path, decay in (
         ("embed/embedding", True),
         ("layer_0/ln_1/scale", False),
@@ -132,7 +133,7 @@ def test_adamw_half_matches_numpy_with_lr_ratio_and_decay_mask():
     ):
         ref = _np_adamw(
             np.asarray(p0[path], np.float64),
-            [np.asarray(flat_paths(g)[path], np.float64) for g in grads],
+            [np.asarray(flatten_dict(g, sep="/")[path], np.float64) for g in grads],
             lrs,
             cfg.adam_b1,
             cfg.adam_b2,
@@ -150,8 +151,8 @@ def test_lr_ratio_scales_only_adamw():
     for ratio in (1.0, 0.25):
         cfg = OPTIMIZER_PRESETS["tiny"].replace(adamw_lr_ratio=ratio, weight_decay=0.0)
         tx = make_optimizer(cfg, params)
-        out[ratio] = flat_paths(jax.jit(tx.update)(grads, tx.init(params), params)[0])
-    labels = flat_paths(param_labels(params))
+        out[ratio] = flatten_dict(jax.jit(tx.update)(grads, tx.init(params), params)[0], sep="/")
+    labels = flatten_dict(param_labels(params), sep="/")
     for path, lab in labels.items():
         if lab == "muon":
             assert np.array_equal(out[1.0][path], out[0.25][path]), path

@@ -1,6 +1,7 @@
-"""The PyTorch Laplace (serve/modeling_laplace.py): its own parity chain, with no JAX.
+"""The PyTorch Laplace (serve/): its own parity chain, with no JAX.
 
-Tolerances (fp32): chunked GLA vs the token-by-token recurrence, abs 1e-5 on outputs and state;
+Tolerances (fp32): the naive token loop vs flash-linear-attention's naive recurrence, abs 1e-5;
+chunked GLA and the decode step vs the token loop, abs 1e-5 on outputs and state;
 full forward vs prefill + decode, abs 5e-5 on logits of magnitude ~3 (observed ~7e-6);
 padded vs unpadded decode: bit-identical (torch.equal).
 """
@@ -12,28 +13,23 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from serve.modeling_laplace import (  # noqa: E402
-    DecodeRunner,
-    LaplaceConfig,
-    LaplaceForCausalLM,
-    LaplaceState,
-    gla_chunked,
-    gla_step,
-    log_decay_schedule,
-)
+from bench.fla_reference import load_fla_naive
+from laplace_spec.config import PRESETS, ConfigError
+from serve.configuration_laplace import LaplaceHFConfig
+from serve.generation import DecodeRunner, greedy_generate, prefill
+from serve.kernels import gla_chunked, gla_recurrent, gla_step
+from serve.modeling_laplace import LaplaceForCausalLM, LaplaceState
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = dict(vocab_size=320, d_model=64, n_layers=2, n_heads=4, d_k=8, d_v=16, conv_width=4,
-            ffn_dim=128, t_max=64.0, n_tiers=2, seq_len=64, chunk_size=16)  # fmt: skip
+TINY = PRESETS["tiny"]
 
 
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    m = LaplaceForCausalLM(LaplaceConfig(**TINY)).eval()
+    m = LaplaceForCausalLM(LaplaceHFConfig(**TINY.to_dict())).eval()
     with torch.no_grad():  # perturb every tensor: aug_balance 0 and head-norm 1 are too easy
         for p in m.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -44,20 +40,40 @@ def _close(a, b, atol):
     assert (a - b).abs().max().item() <= atol, (a - b).abs().max().item()
 
 
-@pytest.mark.parametrize("T", [1, 16, 37, 80])
-def test_chunked_gla_matches_recurrence_with_initial_state(T):
-    torch.manual_seed(T)
-    B, H, K, V = 2, 4, 8, 16
+def _gla_inputs(T, seed):
+    torch.manual_seed(seed)
+    B, H, K, V = 2, TINY.n_heads, TINY.d_k, TINY.d_v
     q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
     v = torch.randn(B, T, H, V)
-    log_decay = log_decay_schedule(H, 1.0, 64.0)
-    s0 = torch.randn(B, H, K, V)
-    o, s = gla_chunked(q, k, v, log_decay, s0, K**-0.5, chunk_size=16)
-    ref_s, ref_o = s0, []
+    log_decay = torch.tensor(TINY.log_decay(), dtype=torch.float32)  # head 0: lambda = 0.5
+    return q, k, v, log_decay, torch.randn(B, H, K, V), K**-0.5
+
+
+@pytest.mark.parametrize("T", [1, 37])
+def test_naive_recurrence_matches_fla(T):
+    """The token loop against flash-linear-attention's own naive Simple-GLA recurrence."""
+    q, k, v, log_decay, s0, scale = _gla_inputs(T, seed=T)
+    o, s = gla_recurrent(q, k, v, log_decay, s0, scale)
+    g = log_decay.expand(q.shape[0], T, -1)  # fla takes a log-decay per token: [B, T, H]
+    ref_o, ref_s = load_fla_naive().naive_recurrent_simple_gla(
+        q, k, v, g, scale=scale, initial_state=s0.clone(), output_final_state=True
+    )
+    _close(o, ref_o, 1e-5)
+    _close(s, ref_s, 1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 16, 37, 80])
+def test_chunked_gla_and_decode_step_match_recurrence_with_initial_state(T):
+    q, k, v, log_decay, s0, scale = _gla_inputs(T, seed=T)
+    ref_o, ref_s = gla_recurrent(q, k, v, log_decay, s0, scale)
+    o, s = gla_chunked(q, k, v, log_decay, s0, scale, chunk_size=16)
+    _close(o, ref_o, 1e-5)
+    _close(s, ref_s, 1e-5)
+    s, steps = s0, []
     for t in range(T):
-        o_t, ref_s = gla_step(q[:, t], k[:, t], v[:, t], log_decay, ref_s, K**-0.5)
-        ref_o.append(o_t)
-    _close(o, torch.stack(ref_o, 1), 1e-5)
+        o_t, s = gla_step(q[:, t], k[:, t], v[:, t], log_decay, s, scale)
+        steps.append(o_t)
+    _close(torch.stack(steps, 1), ref_o, 1e-5)
     _close(s, ref_s, 1e-5)
 
 
@@ -81,24 +97,38 @@ def test_full_forward_equals_prefill_plus_decode(model):
         _close(a, b, 5e-5)
 
 
-def test_state_size_is_the_documented_one():
-    c3b = LaplaceConfig()  # laplace-3b defaults
-    assert c3b.state_bytes_per_seq() == 29_491_200  # DESIGN.md s2: 28,311,552 + 1,179,648
-    tiny = LaplaceConfig(**TINY)
-    st = LaplaceState.zeros(tiny, 3)
-    assert st.nbytes_per_seq() == tiny.state_bytes_per_seq() == 4 * 2 * (4 * 8 * 16 + 4 * 64)
-    assert [tuple(t.shape) for t in st.gla] == [(3, 4, 8, 16)] * 2
-    assert [tuple(t.shape) for t in st.conv] == [(3, 4, 64)] * 2
+def test_hf_config_is_laplace_spec():
+    """Fields, defaults and validation of the HF config are laplace_spec's dataclass's."""
+    assert LaplaceHFConfig().laplace_config == PRESETS["laplace-3b"]
+    hf = LaplaceHFConfig(**{**TINY.to_dict(), "t_max": 64})  # JSON ints for floats are accepted
+    assert hf.laplace_config == TINY and hf.num_attention_heads == TINY.n_heads
+    with pytest.raises(ConfigError, match="d_model"):
+        LaplaceHFConfig(**{**TINY.to_dict(), "d_model": 65})
+
+
+def _allocated_bytes(state: LaplaceState) -> int:
+    return sum(t.nbytes for t in state.gla + state.conv)
+
+
+def test_allocated_state_has_the_documented_size(model):
+    """The bytes of a really allocated state equal laplace_spec's count; 3B's is DESIGN.md's."""
+    st = model.init_state(3)  # the model's own state for 3 sequences
+    assert _allocated_bytes(st) == 3 * TINY.state_bytes_per_sequence()["total"]
+    assert st.nbytes_per_seq() == TINY.state_bytes_per_sequence()["total"]
+    assert [t.dtype for t in st.gla + st.conv] == [torch.float32] * (2 * TINY.n_layers)
+    c3b = PRESETS["laplace-3b"]
+    st = LaplaceState.zeros(c3b, 1)  # 29.5 MB
+    assert _allocated_bytes(st) == c3b.state_bytes_per_sequence()["total"] == 29_491_200
 
 
 @torch.no_grad()
 def test_padded_decode_is_bit_identical(model):
     exact = DecodeRunner(model, row_exact=True)
     padded = DecodeRunner(model, widths=(4, 8))
-    _, st1 = model.prefill([[7]])
+    _, st1 = prefill(model, [[7]])
     alone, _ = exact.step(torch.tensor([3]), st1)
     for n in (1, 3, 5, 7):
-        _, st = model.prefill([[7]] + [[i + 1, i + 2] for i in range(n - 1)])
+        _, st = prefill(model, [[7]] + [[i + 1, i + 2] for i in range(n - 1)])
         tokens = torch.tensor([3] + list(range(n - 1)))
         l0, s0 = exact.step(tokens, st)
         l1, s1 = padded.step(tokens, st)
@@ -121,7 +151,7 @@ def test_compiled_padded_decode_compiles_once_per_width(model):
     runner = DecodeRunner(model, compile=True, widths=(4, 8), backend="eager")
     exact = DecodeRunner(model, row_exact=True)
     for n in (3, 4, 2, 5, 7, 8, 1):
-        _, st = model.prefill([[i + 1] for i in range(n)])
+        _, st = prefill(model, [[i + 1] for i in range(n)])
         logits, _ = runner.step(torch.arange(n), st)
         assert torch.equal(logits, exact.step(torch.arange(n), st)[0])
     assert counters["stats"]["unique_graphs"] == 2
@@ -130,26 +160,33 @@ def test_compiled_padded_decode_compiles_once_per_width(model):
 @torch.no_grad()
 def test_greedy_batched_equals_alone(model):
     prompts = [[5], list(range(1, 40)), [9, 8, 7]]
-    together = model.greedy_generate(prompts, 12)
-    assert together == [model.greedy_generate([p], 12)[0] for p in prompts]
+    together = greedy_generate(model, prompts, 12)
+    assert together == [greedy_generate(model, [p], 12)[0] for p in prompts]
 
 
-def test_serving_side_imports_no_jax(tmp_path):
-    """The exported folder loads and runs where JAX cannot be imported."""
+def test_serving_side_imports_no_jax(model, tmp_path):
+    """An exported folder loads and runs where JAX cannot be imported, with the same logits."""
+    from export import exporter
+    from laplace_spec import names
+
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    flat = {e.jax_path: e.to_jax(sd[e.name]) for e in names.table(TINY)}  # flat `/` paths
+    exporter.export_model(TINY, flat, tmp_path / "model")
+    ids = torch.tensor([[1, 2, 3, 40, 5]])
+    with torch.no_grad():
+        torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / "want.pt")
     code = f"""
 import sys
 sys.modules["jax"] = None  # any `import jax` now fails
 import torch
-from serve.modeling_laplace import LaplaceConfig, LaplaceForCausalLM
-from export import exporter, names
-m = LaplaceForCausalLM(LaplaceConfig(**{TINY!r}))
-sd = {{k: v.detach().numpy() for k, v in m.state_dict().items()}}
-flat = {{e.jax_path: e.to_jax(sd[e.name]) for e in names.table(m.config)}}
-from laplace_jax.config import LaplaceConfig as JC
-exporter.export_model(JC(**{TINY!r}), flat, {str(tmp_path)!r})
-m2 = LaplaceForCausalLM.from_exported({str(tmp_path)!r})
-ids = torch.tensor([[1, 2, 3]])
-assert torch.equal(m(ids).logits, m2(ids).logits)
+from transformers import AutoModelForCausalLM
+from serve.modeling_laplace import LaplaceForCausalLM
+want = torch.load({str(tmp_path / "want.pt")!r})
+ours = LaplaceForCausalLM.from_exported({str(tmp_path / "model")!r})
+auto = AutoModelForCausalLM.from_pretrained({str(tmp_path / "model")!r}, dtype=torch.float32)
+with torch.no_grad():
+    assert torch.equal(ours(want["ids"]).logits, want["logits"])
+    assert torch.equal(auto.eval()(want["ids"]).logits, want["logits"])
 assert "jax" not in [k for k, v in sys.modules.items() if v is not None]
 print("ok")
 """

@@ -1,6 +1,10 @@
-"""The trainer: it learns, resumes exactly after SIGKILL, moves across device counts, guards NaN,
-and its FSDP step equals the single-device step. Tiny model, a few dozen steps, 8 CPU devices."""
+"""The trainer: it learns, resumes exactly after SIGKILL, moves across device counts, guards NaN
+(logging the learning rate optax applied), refuses or skips damaged checkpoints without losing
+logged history, says what it chose at start-up, and its FSDP step equals the single-device step.
+Tiny model, a few dozen steps, 8 CPU devices."""
 
+import glob
+import hashlib
 import json
 import math
 import os
@@ -8,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import jax
@@ -15,12 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from laplace_jax.config import ConfigError, get_config
 from laplace_jax.model import LaplaceLM, abstract_params, init_params
-from laplace_jax.optim import OPTIMIZER_PRESETS
-from laplace_jax.sharding import make_mesh, param_shardings
+from laplace_jax.optim import OPTIMIZER_PRESETS, OptimizerConfig, learning_rate_schedule
+from laplace_jax.sharding import abstract_with_shardings, make_mesh, param_shardings
+from laplace_spec.config import ConfigError, get_config
+from train import config as train_config
 from train import main as train_main
-from train import optimizer as optim
+from train.checkpoint import Checkpointer
 from train.config import TrainConfig, batch_layout
 from train.data import write_shard
 from train.step import make_train_step
@@ -67,15 +73,47 @@ def _losses(run_dir):
     return {m["step"]: m["loss"] for m in _metrics(run_dir)}
 
 
-def _subprocess(args, devices=8):
+def _subprocess(args, devices=8, code=None):
+    """`python -m train.main ARGS`, or `python -c CODE ARGS`."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    command = ["-m", "train.main"] if code is None else ["-c", code]
     return subprocess.run(
-        [sys.executable, "-m", "train.main", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
+        [sys.executable, *command, *args], cwd=REPO, env=env, capture_output=True, text=True
     )
+
+
+# the trainer with a hook that SIGKILLs the process after step STEP (a crash between checkpoints)
+KILL_AFTER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from train import main as m
+    kill = lambda step: step == STEP and os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(m.main(sys.argv[1:], hooks=m.Hooks(after_step=kill)))
+    """
+)
+
+
+def _snapshot(root):
+    """Every file and directory under root with a hash of its bytes."""
+    root = Path(root)
+    return {
+        str(p.relative_to(root)): "dir"
+        if p.is_dir()
+        else hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def _ckpt_steps(ckpt_dir):
+    return sorted(int(p.name) for p in Path(ckpt_dir).iterdir() if p.name.isdigit())
+
+
+def _truncate_an_array_file(step_dir):
+    """Damage a checkpoint: cut its largest parameter data file in half (as a full disk would)."""
+    files = [Path(f) for f in glob.glob(str(Path(step_dir) / "params" / "**"), recursive=True)]
+    big = max((f for f in files if f.is_file()), key=lambda f: f.stat().st_size)
+    with open(big, "r+b") as f:
+        f.truncate(big.stat().st_size // 2)
 
 
 def test_tiny_model_learns_structured_data(shards, tmp_path):
@@ -112,9 +150,10 @@ def test_sigkill_between_checkpoints_then_resume_gives_the_same_losses(shards, t
     expected = _losses(whole)
 
     killed = tmp_path / "killed"
-    out = _subprocess(_args(shards, killed, *common, "--debug-sigkill-at-step", "10"))
+    out = _subprocess(_args(shards, killed, *common), code=KILL_AFTER.replace("STEP", "10"))
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
     assert max(_losses(killed)) == 10  # it logged past its last checkpoint (8), then died
+    crashed_log = _metrics(killed)
 
     out = _subprocess(_args(shards, killed, *common))
     assert out.returncode == 0, out.stderr[-2000:]
@@ -125,6 +164,14 @@ def test_sigkill_between_checkpoints_then_resume_gives_the_same_losses(shards, t
     assert sorted(got) == list(range(1, 15))
     for step in range(resumed_at + 1, 15):
         assert got[step] == expected[step], (step, got[step], expected[step])
+    # what the killed run logged after the checkpoint is kept, marked, out of metrics.jsonl
+    superseded = [
+        json.loads(x) for x in (killed / "metrics.superseded.jsonl").read_text().splitlines()
+    ]
+    assert superseded == [
+        {**r, "superseded_at": resumed_at} for r in crashed_log if r["step"] > resumed_at
+    ]
+    assert f"{10 - resumed_at} lines of metrics.jsonl after step {resumed_at}" in out.stdout
 
 
 def test_restore_on_four_devices_gives_the_same_next_loss(shards, tmp_path):
@@ -136,52 +183,228 @@ def test_restore_on_four_devices_gives_the_same_next_loss(shards, tmp_path):
     out = _subprocess(_args(shards, b, "--steps", "7"), devices=4)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "mesh fsdp=4" in out.stdout and "resumed from" in out.stdout
+    assert f"resumed from {b / 'checkpoints' / '6'} at step 6" in out.stdout
     la, lb = _losses(a)[7], _losses(b)[7]
-    assert _losses(a)[6] == _losses(b)[6]  # step 6 comes from the copied log
     assert abs(la - lb) <= 1e-5 * abs(la), (la, lb)
+    # step 7 from the checkpoint restored onto 4 devices gives the 8-device run's parameters (to
+    # the FSDP test's tolerance), which differ from step 6's by far more than that
+    params = {}
+    for run in (a, b):
+        ckpt = Checkpointer(run / "checkpoints")
+        assert ckpt.all_steps() == [6, 7]
+        params[run] = {s: _host(_restore_params(ckpt, s)) for s in (6, 7)}
+        ckpt.close()
+    jax.tree.map(np.testing.assert_array_equal, params[a][6], params[b][6])
+    moved = jax.tree.map(lambda x, y: np.abs(x - y).max(), params[a][7], params[a][6])
+    assert min(jax.tree.leaves(moved)) > 1e-4
+    jax.tree.map(
+        lambda x, y: np.testing.assert_allclose(x, y, rtol=0, atol=5e-5), params[b][7], params[a][7]
+    )
+
+
+def _restore_params(ckpt, step):
+    """A checkpoint's parameters, read with orbax's metadata (no trainer code involved)."""
+    import orbax.checkpoint as ocp
+
+    return ckpt.manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))[
+        "params"
+    ]
 
 
 def test_nan_steps_are_skipped_then_the_run_stops_with_a_good_checkpoint(shards, tmp_path, capsys):
     run = tmp_path / "run"
-    args = _args(
-        shards,
-        run,
-        "--steps",
-        "12",
-        "--ckpt-every",
-        "2",
-        "max_bad_steps=2",
-        "--debug-nan-at-step",
-        "3",
-        "--debug-nan-at-step",
-        "5",
-        "--debug-nan-at-step",
-        "6",
-    )
-    assert train_main.main(args) == 2
+    nan_steps = {3, 5, 6}  # out-of-range ids make the loss NaN
+
+    def poison(step, tokens):
+        return np.full_like(tokens, -(2**30)) if step in nan_steps else tokens
+
+    args = _args(shards, run, "--steps", "12", "--ckpt-every", "2", "max_bad_steps=2")
+    assert train_main.main(args, hooks=train_main.Hooks(batch=poison)) == 2
     text = capsys.readouterr().out
     assert "stopping: 2 non-finite steps in a row" in text
     m = {r["step"]: r for r in _metrics(run)}
     assert m[3]["applied"] is False and m[3]["loss"] is None
     assert m[4]["applied"] is True and math.isfinite(m[4]["loss"])
     assert max(m) == 6
-    steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    # the logged lr is the one optax applied: the schedule at the count of applied updates, which
+    # a skipped step does not advance (step 4 runs at count 2, not 3)
+    schedule = learning_rate_schedule(
+        OptimizerConfig(**json.loads((run / "config.json").read_text())["optimizer"])
+    )
+    applied_before = 0
+    for step in range(1, 7):
+        assert m[step]["lr"] == pytest.approx(float(schedule(applied_before)), rel=1e-6), step
+        applied_before += step not in nan_steps
+    assert float(schedule(2)) != pytest.approx(float(schedule(3)), rel=1e-3)
+    steps = _ckpt_steps(run / "checkpoints")
     assert steps[-1] == 4  # none written while the streak was on
     # the run resumes from it and trains on
     assert train_main.main(_args(shards, run, "--steps", "8", "--ckpt-every", "2")) == 0
     m = {r["step"]: r for r in _metrics(run)}
-    assert sorted(m) == list(range(1, 9))  # the log after the checkpoint was rewritten
+    assert sorted(m) == list(range(1, 9))  # the log after the checkpoint was set aside
     assert all(math.isfinite(m[s]["loss"]) for s in range(4, 9))
+    superseded = [
+        json.loads(x) for x in (run / "metrics.superseded.jsonl").read_text().splitlines()
+    ]
+    assert [(r["step"], r["superseded_at"], r["applied"]) for r in superseded] == [
+        (5, 4, False),
+        (6, 4, False),
+    ]
+
+
+def test_every_checkpoint_corrupt_stops_changing_nothing_and_restart_starts_over(
+    shards, tmp_path, capsys
+):
+    """The user scenario of issue 11: both checkpoints of a finished run damaged, the command
+    rerun for more steps. It must not start over silently nor rewrite the log."""
+    run = tmp_path / "run"
+    common = ("--ckpt-every", "10", "eval_every=0")
+    assert train_main.main(_args(shards, run, "--steps", "20", *common)) == 0
+    assert _ckpt_steps(run / "checkpoints") == [10, 20]
+    for step in (10, 20):
+        _truncate_an_array_file(run / "checkpoints" / str(step))
+    before = _snapshot(run)
+    old_log = (run / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+
+    assert train_main.main(_args(shards, run, "--steps", "30", *common)) == 2
+    err = capsys.readouterr().err
+    assert f"error: no checkpoint in {run / 'checkpoints'} can be restored" in err
+    for step in (10, 20):
+        assert f"{run / 'checkpoints' / str(step)}: restore: ValueError: OUT_OF_RANGE" in err
+    assert "nothing was changed" in err and "--restart" in err
+    assert "Traceback" not in err
+    assert _snapshot(run) == before  # metrics.jsonl, config.json, checkpoints: all untouched
+
+    assert train_main.main(_args(shards, run, "--steps", "30", "--restart", *common)) == 0
+    out = capsys.readouterr().out
+    aside = [p for p in run.iterdir() if p.name.startswith("restarted-")]
+    assert len(aside) == 1
+    assert f"restart: moved checkpoints, metrics.jsonl into {aside[0]}; starting at step 0" in out
+    assert (aside[0] / "metrics.jsonl").read_bytes() == old_log
+    assert _snapshot(aside[0] / "checkpoints") == {
+        k.removeprefix("checkpoints/"): v for k, v in before.items() if k.startswith("checkpoints/")
+    }
+    assert [r["step"] for r in _metrics(run)] == list(range(1, 31))
+    assert _ckpt_steps(run / "checkpoints") == [10, 20, 30]
+    assert "resumed from" not in out
+
+
+def test_corrupt_newest_checkpoint_resumes_from_the_older_and_keeps_the_log(
+    shards, tmp_path, capsys
+):
+    run = tmp_path / "run"
+    common = ("--steps", "8", "--ckpt-every", "4", "eval_every=0")
+    assert train_main.main(_args(shards, run, *common)) == 0
+    first = _metrics(run)
+    _truncate_an_array_file(run / "checkpoints" / "8")
+    capsys.readouterr()
+
+    assert train_main.main(_args(shards, run, *common)) == 0
+    out, err = capsys.readouterr()
+    newest = run / "checkpoints" / "8"
+    assert f"warning: checkpoint {newest} is corrupt (restore: ValueError: OUT_OF_RANGE" in err
+    assert (
+        f"warning: moved corrupt checkpoint {newest} to {run / 'checkpoints-corrupt' / '8'}" in err
+    )
+    assert f"resumed from {run / 'checkpoints' / '4'} at step 4" in out
+    assert "4 lines of metrics.jsonl after step 4" in out
+    # metrics.jsonl is one clean curve (the same losses again: resuming is exact); the first
+    # run's steps 5-8 are kept in metrics.superseded.jsonl
+    again = _metrics(run)
+    assert [r["step"] for r in again] == list(range(1, 9))
+    assert again[:4] == first[:4]
+    assert [r["loss"] for r in again[4:]] == [r["loss"] for r in first[4:]]
+    superseded = [
+        json.loads(x) for x in (run / "metrics.superseded.jsonl").read_text().splitlines()
+    ]
+    assert superseded == [{**r, "superseded_at": 4} for r in first[4:]]
+    assert _ckpt_steps(run / "checkpoints") == [4, 8]
+    assert (run / "checkpoints-corrupt" / "8" / "params").is_dir()
+
+
+def test_layout_mismatch_stops_the_run_without_touching_it(shards, tmp_path, capsys):
+    """A checkpoint whose meta claims this model but whose arrays are another's (one layer)."""
+    run = tmp_path / "run"
+    args = ("--steps", "2", "--ckpt-every", "2", "eval_every=0")
+    assert train_main.main(_args(shards, run, *args, "n_layers=1")) == 0
+    meta_file = run / "checkpoints" / "2" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["model"]["n_layers"] = meta["config"]["n_layers"] = CFG.n_layers
+    meta_file.write_text(json.dumps(meta))
+    before = _snapshot(run)
+    capsys.readouterr()
+
+    assert train_main.main(_args(shards, run, "--steps", "4", "eval_every=0")) == 2
+    err = capsys.readouterr().err
+    assert f"error: checkpoint {run / 'checkpoints' / '2'} holds other arrays" in err
+    assert "params/layer_1/w12/kernel: in this run, not in the checkpoint" in err
+    assert "nothing was changed" in err and "Traceback" not in err
+    assert _snapshot(run) == before
+
+
+def test_startup_notices_say_what_was_chosen(shards, tmp_path, capsys):
+    """A JSON model config, a schedule fitted to the run, and parameters that cannot be split
+    over a 3-device mesh: one line each."""
+    model_file = tmp_path / "model.json"
+    model_file.write_text(CFG.to_json())
+    run = tmp_path / "run"
+    args = _args(shards, run, "--steps", "3", "--mesh", "fsdp=3", "--global-batch-tokens", "384")
+    args[args.index("tiny")] = str(model_file)
+    assert train_main.main(args) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert notes[0] == (
+        f"note: {model_file} is a model file, not a preset (laplace-3b, small, tiny): the "
+        "training and optimizer settings are the 'small' presets' unless set as key=value"
+    )
+    small = OPTIMIZER_PRESETS["small"]
+    assert notes[1] == (
+        "note: the learning-rate schedule is fitted to this run: total_steps=3 (the run's steps; "
+        f"preset {small.total_steps}), warmup_steps=1 (a tenth of the run; preset "
+        f"{small.warmup_steps}); set total_steps=N / warmup_steps=N to choose"
+    )
+    # every matrix with an fsdp axis: the embedding, the LM head and each layer's conv, qkvg, out,
+    # w12, w3 kernels (no size among 64, 128, 192, 256, 320 divides by 3)
+    assert notes[2].startswith(
+        "note: 12 parameters are replicated, not sharded: their fsdp axis does not divide by "
+        "fsdp=3 (Muon orthogonalises each whole on every device): "
+        "embed/embedding [320, 64]: [320, 64] on fsdp=3; layer_0/conv/kernel [64, 4]: [64] on "
+    )
+    assert notes[2].endswith("; and 8 more")
+    assert len(notes) == 3
+    config = json.loads((run / "config.json").read_text())
+    assert config["optimizer"]["lr"] == OPTIMIZER_PRESETS["small"].lr
+    assert config["train"]["log_every"] == train_config.TRAIN_PRESETS["small"].log_every
+
+
+def test_explicit_settings_get_no_notice():
+    cfg = train_main.resolve_configs(
+        train_main.parse_args(
+            ["--config", "tiny", "--steps", "30", "total_steps=100", "warmup_steps=7"]
+        )
+    )
+    assert (cfg.optim.total_steps, cfg.optim.warmup_steps, cfg.notices) == (100, 7, ())
+    # the 3B recipe's schedule already spans its run
+    cfg = train_main.resolve_configs(train_main.parse_args(["--config", "laplace-3b"]))
+    assert cfg.notices == () and cfg.optim == OPTIMIZER_PRESETS["laplace-3b"]
+    # only total_steps fitted: warmup stays the preset's, and the note says so
+    cfg = train_main.resolve_configs(train_main.parse_args(["--config", "tiny", "--steps", "400"]))
+    assert cfg.optim.warmup_steps == OPTIMIZER_PRESETS["tiny"].warmup_steps
+    assert cfg.notices == (
+        "note: the learning-rate schedule is fitted to this run: total_steps=400 (the run's "
+        "steps; preset 200), warmup_steps=10 (the preset's); set total_steps=N / "
+        "warmup_steps=N to choose",
+    )
 
 
 def _step_setup(mesh, opt_overrides=()):
-    opt_cfg = optim.optimizer_config("tiny", list(opt_overrides), 10)
+    opt_cfg, _ = train_config.optimizer_config("tiny", list(opt_overrides), 10)
     ps = param_shardings(CFG, mesh)
-    abstract = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params(CFG), ps
+    abstract = abstract_with_shardings(abstract_params(CFG), ps)
+    tx, schedule, os_ = train_config.build_optimizer(opt_cfg, abstract, ps, mesh)
+    step, _ = make_train_step(
+        LaplaceLM(CFG), tx, mesh, ps, os_, grad_clip=1.0, lr_schedule=schedule
     )
-    tx, _, os_ = optim.build(opt_cfg, abstract, ps, mesh)
-    step, _ = make_train_step(LaplaceLM(CFG), tx, mesh, ps, os_, grad_clip=1.0)
     return tx, ps, os_, step
 
 
@@ -200,7 +423,7 @@ def _host(tree):
 
 def test_nan_guard_in_the_step_keeps_the_state_with_rbg_keys():
     mesh = make_mesh(8)
-    tx, ps, os_, step = _step_setup(mesh)
+    tx, ps, os_, step = _step_setup(mesh, ["warmup_steps=5", "lr=0.01"])
     host = _host(init_params(CFG, jax.random.key(0, impl="rbg")))
     state = _state(tx, ps, os_, host, mesh)
     before = _host(state)
@@ -214,6 +437,10 @@ def test_nan_guard_in_the_step_keeps_the_state_with_rbg_keys():
     good = np.random.default_rng(0).integers(0, 256, (1, 8, CFG.seq_len + 1)).astype(np.int32)
     state, m = step(state, good)
     assert bool(m["applied"]) and int(m["bad_streak"]) == 0
+    # the first applied update runs at warmup's first rate, lr * 1/5, not the second step's 2/5
+    assert float(m["lr"]) == pytest.approx(0.01 / 5, rel=1e-6)
+    state, m = step(state, good)
+    assert float(m["lr"]) == pytest.approx(0.01 * 2 / 5, rel=1e-6)
     changed = jax.tree.map(
         lambda a, b: not np.array_equal(a, b), _host(state["params"]), before["params"]
     )
@@ -270,7 +497,8 @@ def test_overrides_are_routed_and_unknown_keys_rejected():
     args = train_main.parse_args(
         ["--config", "tiny", "d_model=128", "d_v=32", "lr=0.05", "log_every=3", "--steps", "17"]
     )
-    model, opt, tr = train_main.resolve_configs(args)
+    cfg = train_main.resolve_configs(args)
+    model, opt, tr = cfg.model, cfg.optim, cfg.train
     assert (model.d_model, opt.lr, tr.log_every, tr.steps, opt.total_steps) == (
         128,
         0.05,
@@ -283,6 +511,9 @@ def test_overrides_are_routed_and_unknown_keys_rejected():
     with pytest.raises(ConfigError, match="lr expects float"):
         train_main.resolve_configs(train_main.parse_args(["lr=fast"]))
     assert train_main.main(["--config", "tiny", "bogus=1"]) == 2
+    for hook in ("--debug-nan-at-step", "--debug-sigkill-at-step"):  # in-process hooks only
+        with pytest.raises(SystemExit):
+            train_main.parse_args([hook, "3"])
 
 
 def test_batch_layout():

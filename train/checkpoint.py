@@ -9,28 +9,92 @@ A checkpoint is an orbax Composite of four items (the exporter reads `params` an
   tokenizer reference.
 
 Restoring takes target shardings, so a checkpoint written on 8 devices restores onto 4 (or 64).
-A checkpoint whose model or optimizer config differs from the requested one is refused, naming
-the fields; one that cannot be read (partial, corrupt) is skipped, with a warning, for the
-previous one.
+`restore_latest` tries the checkpoints newest first and sorts every failure into one of two kinds:
+
+- corrupt: its data is missing or undecodable (a missing or truncated array file, JSON that does
+  not parse, an item that is absent, tensorstore's NOT_FOUND, DATA_LOSS, OUT_OF_RANGE,
+  FAILED_PRECONDITION or INVALID_ARGUMENT). It is skipped with a warning for the next older one;
+  once an older one restores, the corrupt newer ones are moved into the sibling directory
+  `<checkpoint dir>-corrupt/` (kept, and out of the way of the steps the run saves again). When
+  every checkpoint is corrupt, `NoUsableCheckpoint` is raised and nothing is moved.
+- anything else stops the run with a `RestoreError`, and nothing on disk is changed: a model
+  config in the checkpoint's meta that differs from the requested one (`ConfigMismatch`, naming
+  the fields); saved parameter or optimizer-state trees whose paths or shapes differ from what
+  this run builds (`LayoutMismatch`, naming the paths; compared from orbax's metadata before any
+  array is read); any other error (permission denied, an I/O error, an unknown exception).
+
+The optimizer config is not compared: a new learning rate or run length is a legitimate change
+on resume (the trainer prints what changed); a changed optimizer-state layout is refused by the
+layout check.
+
+In a multi-process run all processes try the same steps (process 0's list) in the same order and
+agree on each outcome (the worst over the processes wins), so they all restore the same step or
+all stop.
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
+import json
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
-
-log = logging.getLogger(__name__)
+from jax.experimental import multihost_utils
 
 ITEMS = ("params", "opt_state", "data", "meta")
 
+# tensorstore status codes (the start of its error messages) that mean missing or undecodable data
+CORRUPT_STATUS = (
+    "NOT_FOUND",
+    "DATA_LOSS",
+    "OUT_OF_RANGE",
+    "FAILED_PRECONDITION",
+    "INVALID_ARGUMENT",
+)
 
-class ConfigMismatch(ValueError):
-    """The checkpoint was written for another model or optimizer configuration."""
+
+class RestoreError(RuntimeError):
+    """A checkpoint could not be restored and the run must stop; nothing on disk was changed."""
+
+
+class ConfigMismatch(RestoreError):
+    """The checkpoint was written for another model configuration."""
+
+
+class LayoutMismatch(RestoreError):
+    """The checkpoint's saved trees (paths, shapes) differ from the ones this run builds."""
+
+    def __init__(self, where: Path, problems: list[str], show: int = 12):
+        self.problems = problems
+        more = [f"... and {len(problems) - show} more"] if len(problems) > show else []
+        super().__init__(
+            f"checkpoint {where} holds other arrays than this run builds:\n  "
+            + "\n  ".join(problems[:show] + more)
+            + "\nnothing was changed; use another --run-dir/--ckpt-dir, or the code and "
+            "configuration that wrote it"
+        )
+
+
+class NoUsableCheckpoint(RestoreError):
+    """Every checkpoint of the directory is corrupt."""
+
+    def __init__(self, directory: Path, corrupt: list[tuple[int, str]]):
+        self.directory, self.corrupt = directory, corrupt
+        lines = "".join(f"\n  {directory / str(s)}: {why}" for s, why in corrupt)
+        super().__init__(
+            f"no checkpoint in {directory} can be restored; every one is corrupt:{lines}\n"
+            "nothing was changed"
+        )
+
+
+class CorruptCheckpointWarning(RuntimeWarning):
+    """A corrupt checkpoint was skipped for an older one."""
 
 
 def config_diff(saved: dict, requested: dict) -> list[str]:
@@ -55,8 +119,63 @@ def check_compatible(meta: dict, requested: dict[str, dict], where: str) -> None
         raise ConfigMismatch(
             f"checkpoint {where} was written for a different configuration; differing fields:\n  "
             + "\n  ".join(problems)
-            + "\nuse another --run-dir/--ckpt-dir, or the checkpoint's configuration"
+            + "\nnothing was changed; use another --run-dir/--ckpt-dir, or the checkpoint's "
+            "configuration"
         )
+
+
+def layout_diff(saved_tree, target_tree, item: str) -> list[str]:
+    """Paths whose presence or shape differs between a saved tree (orbax array metadata) and the
+    target (arrays or ShapeDtypeStructs), as `"params/layer_2/w12/kernel: ..."` lines."""
+    saved = ocp.tree.to_flat_dict(saved_tree)
+    want = ocp.tree.to_flat_dict(target_tree)
+    out = []
+    for key in sorted(set(saved) | set(want), key=lambda k: tuple(map(str, k))):
+        name = "/".join([item, *map(str, key)])
+        if key not in want:
+            out.append(f"{name}: in the checkpoint, not in this run")
+        elif key not in saved:
+            out.append(f"{name}: in this run, not in the checkpoint")
+        elif tuple(saved[key].shape) != tuple(want[key].shape):
+            out.append(
+                f"{name}: checkpoint {list(saved[key].shape)}, this run {list(want[key].shape)}"
+            )
+    return out
+
+
+def corruption(e: BaseException) -> BaseException | None:
+    """The exception in `e`'s chain that shows missing or undecodable checkpoint data, or None
+    when the error is something else (permission, I/O, a bug), which must not be skipped."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, FileNotFoundError | json.JSONDecodeError | UnicodeDecodeError):
+            return e
+        if isinstance(e, OSError):
+            return None  # permission denied, I/O error, ...: not the checkpoint's content
+        if isinstance(e, KeyError) and "not found in the checkpoint" in str(e):
+            return e  # orbax: an item's directory is absent
+        if isinstance(e, ValueError) and str(e).split(":", 1)[0].strip() in CORRUPT_STATUS:
+            return e  # tensorstore
+        e = e.__cause__ or e.__context__
+    return None
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """One process's outcome of restoring one step: a result, a corruption, or an error."""
+
+    result: dict[str, Any] | None = None
+    corrupt: str | None = None
+    error: Exception | None = None
+
+    @property
+    def code(self) -> int:  # ordered by severity, for the agreement over processes
+        return 0 if self.result is not None else 1 if self.corrupt is not None else 2
+
+
+class _Corrupt(Exception):
+    pass
 
 
 class Checkpointer:
@@ -71,7 +190,12 @@ class Checkpointer:
                 enable_async_checkpointing=async_save,
                 create=True,
             ),
-            item_names=ITEMS,
+            item_handlers={
+                "params": ocp.StandardCheckpointHandler(),
+                "opt_state": ocp.StandardCheckpointHandler(),
+                "data": ocp.JsonCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
         )
 
     def all_steps(self) -> list[int]:
@@ -100,40 +224,102 @@ class Checkpointer:
         abstract_params,
         abstract_opt_state,
         requested: dict[str, dict] | None = None,
+        warn: Callable[[str], None] | None = None,
     ) -> dict[str, Any] | None:
-        """Newest readable checkpoint as {step, params, opt_state, data, meta}, or None.
+        """Newest restorable checkpoint as {step, params, opt_state, data, meta}; None when the
+        directory has no checkpoint. Corrupt ones are skipped (`warn` is told, by default as a
+        CorruptCheckpointWarning); `RestoreError` otherwise (see the module docstring).
 
         `abstract_*` are pytrees of `jax.ShapeDtypeStruct` carrying the target shardings.
         """
-        for step in reversed(self.all_steps()):
-            where = str(self.directory / str(step))
-            try:
-                meta = self.read_meta(step)
-            except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped
-                _warn(f"checkpoint {where} has no readable meta ({_short(e)}); skipping it")
-                continue
-            if requested:
-                check_compatible(meta, requested, where)  # refuses, never skips
-            try:
-                restored = self.manager.restore(
+        warn = warn or _warn
+        skipped: list[tuple[int, str]] = []
+        for step in reversed(_agreed_steps(self.all_steps())):
+            where = self.directory / str(step)
+            attempt = self._attempt(step, abstract_params, abstract_opt_state, requested)
+            verdict = _worst_over_processes(attempt.code)
+            if verdict == 0:
+                self._set_aside([s for s, _ in skipped], warn)
+                return attempt.result
+            if verdict == 2:
+                raise attempt.error or RestoreError(
+                    f"checkpoint {where}: another process could not restore it (see its output); "
+                    "nothing was changed"
+                )
+            why = attempt.corrupt or "another process found it corrupt (see its output)"
+            warn(f"checkpoint {where} is corrupt ({why}); skipping it")
+            skipped.append((step, why))
+        if skipped:
+            raise NoUsableCheckpoint(self.directory, skipped)
+        return None
+
+    def _attempt(self, step, abstract_params, abstract_opt_state, requested) -> _Attempt:
+        where = str(self.directory / str(step))
+        try:
+            meta = _read("meta", lambda: self.read_meta(step))
+            check_compatible(meta, requested or {}, where)
+            self._check_layout(step, {"params": abstract_params, "opt_state": abstract_opt_state})
+            restored = _read(
+                "restore",
+                lambda: self.manager.restore(
                     step,
                     args=ocp.args.Composite(
                         params=ocp.args.StandardRestore(abstract_params),
                         opt_state=ocp.args.StandardRestore(abstract_opt_state),
                         data=ocp.args.JsonRestore(),
                     ),
-                )
-            except Exception as e:  # noqa: BLE001
-                _warn(f"checkpoint {where} is corrupt or partial ({_short(e)}); skipping it")
-                continue
-            return {
+                ),
+            )
+        except _Corrupt as e:
+            return _Attempt(corrupt=str(e))
+        except RestoreError as e:
+            return _Attempt(error=e)
+        except Exception as e:  # noqa: BLE001 - not corruption: stop, naming it
+            error = RestoreError(
+                f"checkpoint {where} could not be read: {_short(_root(e))}\n"
+                "this is not missing or undecodable data, so the checkpoint is not skipped; "
+                "nothing was changed: fix the cause and run again"
+            )
+            error.__cause__ = e
+            return _Attempt(error=error)
+        return _Attempt(
+            result={
                 "step": step,
                 "params": restored["params"],
                 "opt_state": restored["opt_state"],
                 "data": restored["data"],
                 "meta": meta,
             }
-        return None
+        )
+
+    def _check_layout(self, step: int, targets: dict) -> None:
+        """LayoutMismatch unless the saved arrays' paths and shapes are the targets', read from
+        orbax's metadata (no array data); `_Corrupt` when that metadata is unreadable."""
+        metadata = _read("metadata", lambda: self.manager.item_metadata(step))
+        problems = []
+        for item, target in targets.items():
+            saved = metadata.get(item) if hasattr(metadata, "get") else None
+            if saved is None:
+                raise _Corrupt(f"{item}: no array metadata")
+            problems += layout_diff(getattr(saved, "tree", saved), target, item)
+        if problems:
+            raise LayoutMismatch(self.directory / str(step), problems)
+
+    def _set_aside(self, steps: list[int], warn: Callable[[str], None]) -> None:
+        """Move corrupt checkpoints into `<dir>-corrupt/` (process 0; the others wait)."""
+        if not steps:
+            return
+        aside = self.directory.with_name(self.directory.name + "-corrupt")
+        if jax.process_index() == 0:
+            aside.mkdir(parents=True, exist_ok=True)
+            for step in steps:
+                dest = aside / str(step)
+                if dest.exists():
+                    dest = aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+                (self.directory / str(step)).rename(dest)
+                warn(f"moved corrupt checkpoint {self.directory / str(step)} to {dest}")
+        multihost_utils.sync_global_devices("laplace: corrupt checkpoints set aside")
+        self.manager.reload()
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -143,18 +329,43 @@ class Checkpointer:
         self.manager.close()
 
 
-def abstract_with_shardings(tree, shardings):
-    """ShapeDtypeStructs of `tree` (arrays or structs) placed with `shardings`."""
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-    )
+def _read(what: str, fn):
+    """fn(), with an error that shows corrupt data turned into `_Corrupt` naming `what`."""
+    try:
+        return fn()
+    except Exception as e:
+        cause = corruption(e)
+        if cause is None:
+            raise
+        raise _Corrupt(f"{what}: {_short(cause)}") from e
 
 
-def _short(e: Exception) -> str:
+def _agreed_steps(local: list[int]) -> list[int]:
+    """Process 0's list of steps, on every process."""
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(local))))
+    if n == 0:
+        return []
+    mine = np.asarray(local if jax.process_index() == 0 else [0] * n, np.int32)
+    return [int(s) for s in multihost_utils.broadcast_one_to_all(mine)]
+
+
+def _worst_over_processes(code: int) -> int:
+    return int(np.max(multihost_utils.process_allgather(np.int32(code))))
+
+
+def _root(e: BaseException) -> BaseException:
+    """The innermost exception `e` was raised from (orbax wraps tensorstore's errors)."""
+    seen = {id(e)}
+    while (inner := e.__cause__ or e.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        e = inner
+    return e
+
+
+def _short(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}"
     return text if len(text) < 300 else text[:300] + "..."
 
 
 def _warn(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
-    log.warning(message)
+    warnings.warn(message, CorruptCheckpointWarning, stacklevel=3)

@@ -1,8 +1,11 @@
-"""Training hyperparameters: one frozen dataclass, defaults per model preset.
+"""The run's three configs: model (`LaplaceConfig`), optimizer (`OptimizerConfig`, in
+laplace_jax/optim.py) and training (`TrainConfig`, here: how long, how big a batch, how often to
+log, evaluate and checkpoint, and the guards), resolved from a preset or JSON file and
+`key=value` overrides, plus the optax transformation the trainer builds from them.
 
-The model's shape lives in `LaplaceConfig`, the optimizer's in `OptimizerConfig`
-(laplace_jax/optim.py); this is the rest: how long, how big a batch, how often to log, evaluate
-and checkpoint, and the guards. Every field can be set as `key=value` on the command line.
+Whatever is chosen for the user rather than by them comes back as a notice line (`RunConfigs.
+notices`) that the trainer prints at start-up: a JSON model's training/optimizer presets, and the
+learning-rate schedule fitted to the run's length.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from laplace_jax.config import ConfigError
+from laplace_jax import optim
+from laplace_spec.config import PRESETS, ConfigError, LaplaceConfig, get_config, parse_overrides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +68,118 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
     ),
 }
 
+DEFAULT_PRESET = "small"  # the training and optimizer presets of a model given as a JSON file
+
 
 def train_preset(model_preset: str) -> TrainConfig:
-    return TRAIN_PRESETS.get(model_preset, TrainConfig())
+    return TRAIN_PRESETS.get(model_preset, TRAIN_PRESETS[DEFAULT_PRESET])
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfigs:
+    model: LaplaceConfig
+    optim: optim.OptimizerConfig
+    train: TrainConfig
+    notices: tuple[str, ...] = ()  # what was chosen for the user, one line each
+
+
+def resolve(config: str, overrides: list[str], train_flags: dict[str, Any]) -> RunConfigs:
+    """The three configs of a run: `config` is a model preset or JSON file, `overrides` the
+    `key=value` strings, `train_flags` the TrainConfig fields given as command-line flags (they
+    win over overrides)."""
+    routed = split_overrides(overrides)
+    model_cfg = get_config(config, routed["model"])
+    notices = []
+    preset = config
+    if config not in PRESETS:
+        preset = DEFAULT_PRESET
+        notices.append(
+            f"note: {config} is a model file, not a preset ({', '.join(PRESETS)}): the training "
+            f"and optimizer settings are the {DEFAULT_PRESET!r} presets' unless set as key=value"
+        )
+    changes = parse_overrides(routed["train"], TrainConfig)
+    changes.update({k: v for k, v in train_flags.items() if v is not None})
+    train_cfg = dataclasses.replace(train_preset(preset), **changes)
+    opt_cfg, note = optimizer_config(preset, routed["optim"], train_cfg.steps)
+    return RunConfigs(model_cfg, opt_cfg, train_cfg, tuple(notices + ([note] if note else [])))
+
+
+def split_overrides(items: list[str]) -> dict[str, list[str]]:
+    """Route `key=value` strings to the model, optimizer and training configs (`model.`,
+    `optim.`, `train.` prefixes settle a name that two of them have)."""
+    model_fields = {f.name for f in dataclasses.fields(LaplaceConfig)}
+    opt_fields = {f.name for f in dataclasses.fields(optim.OptimizerConfig)}
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    prefixes = {"model": model_fields, "optim": opt_fields, "train": train_fields}
+    routed: dict[str, list[str]] = {k: [] for k in prefixes}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        prefix, dot, name = key.partition(".")
+        if dot and prefix in prefixes:
+            if name not in prefixes[prefix]:
+                raise ConfigError(f"unknown {prefix} config key {name!r}")
+            routed[prefix].append(f"{name}={value}")
+            continue
+        owners = [p for p, fields in prefixes.items() if key in fields]
+        if not owners:
+            known = sorted(model_fields | opt_fields | train_fields)
+            raise ConfigError(f"unknown config key {key!r} (known: {', '.join(known)})")
+        if len(owners) > 1:
+            raise ConfigError(
+                f"config key {key!r} is ambiguous ({', '.join(owners)}): write e.g. "
+                f"{owners[0]}.{key}={value}"
+            )
+        routed[owners[0]].append(f"{key}={value}")
+    return routed
+
+
+def optimizer_config(
+    preset: str, overrides: list[str], train_steps: int
+) -> tuple[optim.OptimizerConfig, str | None]:
+    """The preset's OptimizerConfig with `key=value` overrides, and a notice when the schedule
+    was fitted to the run.
+
+    Unless `total_steps` is overridden the schedule spans the run: total_steps = the run's steps,
+    and (unless `warmup_steps` is overridden) warmup at most a tenth of them. The 3B preset
+    already matches its run, so it gets no notice.
+    """
+    base = optim.OPTIMIZER_PRESETS[preset]
+    try:
+        changes = parse_overrides(overrides, optim.OptimizerConfig)
+        fitted = {}
+        if "total_steps" not in changes:
+            fitted["total_steps"] = train_steps
+            if "warmup_steps" not in changes:
+                fitted["warmup_steps"] = min(base.warmup_steps, max(train_steps // 10, 1))
+        cfg = dataclasses.replace(base, **changes, **fitted)
+    except ValueError as e:  # the dataclass validates itself
+        raise ConfigError(f"optimizer config: {e}") from e
+    if all(getattr(base, k) == v for k, v in fitted.items()):
+        return cfg, None
+
+    def why(key, value):
+        preset = getattr(base, key)
+        if key == "total_steps":
+            return f"the run's steps; preset {preset}"
+        return "the preset's" if value == preset else f"a tenth of the run; preset {preset}"
+
+    chosen = ", ".join(f"{k}={v} ({why(k, v)})" for k, v in fitted.items())
+    return cfg, (
+        f"note: the learning-rate schedule is fitted to this run: {chosen}; "
+        f"set {' / '.join(f'{k}=N' for k in fitted)} to choose"
+    )
+
+
+def build_optimizer(opt_cfg: optim.OptimizerConfig, params_like, param_shardings, mesh):
+    """(optax transformation, learning-rate schedule, optimizer-state shardings).
+
+    `params_like` should carry the parameter shardings, so Muon sees how each matrix is split.
+    """
+    tx = optim.make_optimizer(opt_cfg, params_like, mesh=mesh)
+    shardings = optim.opt_state_shardings(tx, params_like, param_shardings)
+    return tx, optim.learning_rate_schedule(opt_cfg), shardings
 
 
 def batch_layout(

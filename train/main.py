@@ -4,20 +4,29 @@ With no arguments: the `small` preset on the embedded default corpus (the interp
 library, BPE-tokenised and cached on first use), on every device JAX sees, for a few minutes on
 a CPU; it ends by printing a greedy sample. A run directory (default `runs/default`) holds
 `metrics.jsonl`, `checkpoints/`, `config.json` and `tokenizer.json`; running again with the same
-directory resumes from its newest good checkpoint on exactly the next batch.
+directory resumes from its newest good checkpoint on exactly the next batch. What a crashed run
+logged after that checkpoint is moved from `metrics.jsonl` to `metrics.superseded.jsonl` (each
+line with `superseded_at`), so `metrics.jsonl` is one clean curve and no logged line is lost.
+
+When no checkpoint can be restored (every one corrupt) the run stops with status 2 and changes
+nothing; `--restart` starts over at step 0 after moving the checkpoints and metrics into
+`RUN_DIR/restarted-<time>/`.
 
 `key=value` overrides go to the model config (LaplaceConfig), the optimizer config
 (OptimizerConfig) or the training config (TrainConfig), whichever has the key; prefix it with
-`model.`, `optim.` or `train.` when a name is ambiguous. Unknown keys are errors.
+`model.`, `optim.` or `train.` when a name is ambiguous. Unknown keys are errors. Whatever the
+trainer chooses for the user (presets of a JSON model, the schedule fitted to the run, parameters
+replicated because they do not divide over the mesh) is printed as a `note:` line at start-up.
 
 Several hosts: set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (or pass
 `--distributed` where JAX detects the cluster itself, e.g. SLURM or Cloud TPU); each process reads
 its own share of the data windows.
+
+Tests and tools drive the loop in-process through `Hooks` (`main(argv, hooks=...)`), which are
+not on the command line.
 """
 
 from __future__ import annotations
-
-import logging
 
 from absl import logging as absl_logging
 
@@ -26,30 +35,34 @@ absl_logging.set_verbosity(absl_logging.ERROR)  # grain and orbax are chatty at 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
-import signal  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from laplace_jax.config import PRESETS, ConfigError, LaplaceConfig, get_config, parse_overrides  # noqa: E402
-from train import optimizer as optim  # noqa: E402
+from laplace_jax.sharding import FSDP, abstract_with_shardings, logical_sharding  # noqa: E402
+from laplace_spec.config import ConfigError  # noqa: E402
+from train import config as train_config  # noqa: E402
 from train.checkpoint import (  # noqa: E402
     Checkpointer,
-    ConfigMismatch,
-    abstract_with_shardings,
+    NoUsableCheckpoint,
+    RestoreError,
     config_diff,
 )
-from train.config import TrainConfig, batch_layout, train_preset  # noqa: E402
+from train.config import RunConfigs, batch_layout  # noqa: E402
+from train.metrics import Metrics, json_number  # noqa: E402
+from train.step import EVAL_BATCH_AXES, TRAIN_BATCH_AXES  # noqa: E402
 
-log = logging.getLogger("train")
+PEAK_REMEASURE_S = 60.0  # measure the matmul rate (MFU's denominator) again at most this often
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -67,72 +80,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokenizer", help="tokenizer.json of --data (for the sample, copied to run)")
     ap.add_argument("--steps", type=int, help="train until this step")
     ap.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
-    ap.add_argument("--mesh", help="fsdp=N: use N devices (default: all)")
+    ap.add_argument("--mesh", help=f"{FSDP}=N: use N devices (default: all)")
     ap.add_argument("--run-dir", default="runs/default", help="run directory")
     ap.add_argument("--ckpt-dir", help="checkpoint directory (default: RUN_DIR/checkpoints)")
     ap.add_argument("--ckpt-every", type=int, help="steps between checkpoints")
     ap.add_argument("--log-every", type=int, help="steps between metrics lines")
+    ap.add_argument(
+        "--restart",
+        action="store_true",
+        help="start over at step 0, first moving the checkpoints and metrics of the run "
+        "directory into RUN_DIR/restarted-<time>/",
+    )
     ap.add_argument("--distributed", action="store_true", help="jax.distributed.initialize()")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    # test hook: SIGKILL this process after the given step (a crash between checkpoints)
-    ap.add_argument("--debug-sigkill-at-step", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--debug-nan-at-step", type=int, action="append", help=argparse.SUPPRESS)
     return ap.parse_intermixed_args(argv)
 
 
-def split_overrides(items: list[str], opt_fields: set[str]):
-    """Route `key=value` strings to the model, optimizer and training configs."""
-    model_fields = {f.name for f in dataclasses.fields(LaplaceConfig)}
-    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    prefixes = {"model": model_fields, "optim": opt_fields, "train": train_fields}
-    routed: dict[str, list[str]] = {k: [] for k in prefixes}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"override {item!r} is not of the form key=value")
-        prefix, dot, name = key.partition(".")
-        if dot and prefix in prefixes:
-            if name not in prefixes[prefix]:
-                raise ConfigError(f"unknown {prefix} config key {name!r}")
-            routed[prefix].append(f"{name}={value}")
-            continue
-        owners = [p for p, fields in prefixes.items() if key in fields]
-        if not owners:
-            known = sorted(model_fields | opt_fields | train_fields)
-            raise ConfigError(f"unknown config key {key!r} (known: {', '.join(known)})")
-        if len(owners) > 1:
-            raise ConfigError(
-                f"config key {key!r} is ambiguous ({', '.join(owners)}): write e.g. "
-                f"{owners[0]}.{key}={value}"
-            )
-        routed[owners[0]].append(f"{key}={value}")
-    return routed
-
-
-def resolve_configs(args):
-    routed = split_overrides(args.overrides, optim.optimizer_fields())
-    model_cfg = get_config(args.config, routed["model"])
-    preset = args.config if args.config in PRESETS else "small"
-    train_over = parse_overrides(routed["train"], TrainConfig)
-    for flag, key in (
-        ("steps", "steps"),
-        ("global_batch_tokens", "global_batch_tokens"),
-        ("ckpt_every", "ckpt_every"),
-        ("log_every", "log_every"),
-    ):
-        if getattr(args, flag) is not None:
-            train_over[key] = getattr(args, flag)
-    train_cfg = dataclasses.replace(train_preset(preset), **train_over)
-    opt_cfg = optim.optimizer_config(preset, routed["optim"], train_cfg.steps)
-    return model_cfg, opt_cfg, train_cfg
+def resolve_configs(args) -> RunConfigs:
+    flags = ("steps", "global_batch_tokens", "ckpt_every", "log_every")
+    return train_config.resolve(
+        args.config, args.overrides, {name: getattr(args, name) for name in flags}
+    )
 
 
 def parse_mesh(spec: str | None) -> int | None:
     if spec is None:
         return None
     key, sep, value = spec.partition("=")
-    if key != "fsdp" or not sep or not value.isdigit():
-        raise ConfigError(f"--mesh expects fsdp=N, got {spec!r}")
+    if key != FSDP or not sep or not value.isdigit():
+        raise ConfigError(f"--mesh expects {FSDP}=N, got {spec!r}")
     return int(value)
 
 
@@ -148,75 +124,126 @@ def maybe_initialize_distributed(force: bool) -> None:
         jax.distributed.initialize()
 
 
-# ---- metrics --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Hooks:
+    """In-process hooks into the loop (not on the command line; for tests and tools).
+
+    `batch(step, tokens)` returns the host batch [A, M, T + 1] that step `step` (1-based) trains
+    on instead of `tokens`; `after_step(step)` runs once step `step` is logged and its checkpoint
+    (if any) started.
+    """
+
+    batch: Callable[[int, np.ndarray], np.ndarray] | None = None
+    after_step: Callable[[int], None] | None = None
 
 
-class Metrics:
-    """metrics.jsonl (process 0 only), plus TensorBoard when tensorboardX is installed."""
-
-    def __init__(self, run_dir: Path, keep_until_step: int, enabled: bool):
-        self.path = run_dir / "metrics.jsonl"
-        self.enabled = enabled
-        self.tb = None
-        if not enabled:
-            return
-        # a resumed run drops what the crashed run logged after its checkpoint
-        lines = []
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    if json.loads(line).get("step", 0) <= keep_until_step:
-                        lines.append(line)
-                except json.JSONDecodeError:
-                    pass  # a line cut by a crash
-        self.path.write_text("".join(line + "\n" for line in lines))
-        try:
-            from tensorboardX import SummaryWriter
-
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-        except ImportError:
-            pass
-
-    def write(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, int | float):
-                    self.tb.add_scalar(k, v, record["step"])
-
-    def close(self):
-        if self.tb is not None:
-            self.tb.close()
+# ---- set-up ---------------------------------------------------------------------------------
 
 
-# ---- the run --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Trainer:
+    """Everything the loop needs, built by `set_up`."""
+
+    cfg: RunConfigs
+    mesh: Any
+    say: Callable[..., None]
+    main_proc: bool
+    ckpt_dir: Path
+    layout: tuple[int, int, int]  # (global sequences B, accumulation steps A, micro-batch M)
+    batches: Any  # train.data.BatchIterator
+    val_batches: list
+    tokenizer_src: Path | None
+    train_step: Callable
+    eval_step: Callable
+    state: dict
+    start: int
+    ckpt: Checkpointer
+    metrics: Metrics
+    meta: dict
+    flops_per_token: float
+    peak: float  # matmul FLOP/s of the mesh, the MFU denominator (the best seen so far)
+    peak_measured_at: float = dataclasses.field(default_factory=time.perf_counter)
+    no_bar: bool = False
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.layout[0] * self.cfg.model.seq_len
 
 
-def run(args) -> int:
+def set_up(args) -> Trainer:
+    """Configs, data, model, optimizer and state (restored or new), then the run files; prints
+    the start-up lines. Nothing in the run directory changes before the restore has succeeded
+    (but for what --restart moves aside, and corrupt checkpoints set aside by a restore)."""
     maybe_initialize_distributed(args.distributed)
     if jax.default_backend() == "neuron":
         jax.config.update("jax_default_prng_impl", "rbg")  # Threefry is not fully supported
+    from laplace_jax.accounting import training_flops_per_token
+    from laplace_jax.sharding import make_mesh, replicated_fallbacks
+    from train.step import measure_matmul_flops
 
-    from laplace_jax.accounting import parameter_counts, training_flops_per_token
-    from laplace_jax.model import LaplaceLM, abstract_params, init_params
-    from laplace_jax.sharding import make_mesh, param_shardings
-    from train import data as data_lib
-    from train.step import make_eval_step, make_train_step, measure_matmul_flops
-
-    model_cfg, opt_cfg, tcfg = resolve_configs(args)
-    unroll = tcfg.scan_unroll or jax.default_backend() == "neuron"
-    proc, nproc = jax.process_index(), jax.process_count()
-    main_proc = proc == 0
+    cfg = resolve_configs(args)
+    main_proc = jax.process_index() == 0
     say = print if main_proc else (lambda *a, **k: None)
-
     run_dir = Path(args.run_dir)
     ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else run_dir / "checkpoints"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    train_paths, val_paths, tokenizer_src = open_data(args, cfg.model, main_proc)
+    mesh = make_mesh(parse_mesh(args.mesh))
+    layout = batch_layout(cfg.train, cfg.model.seq_len, mesh.size, jax.process_count())
+    batches, val_batches, train_tokens = build_pipeline(cfg, layout, train_paths, val_paths)
+    parts = build_model(cfg, mesh)
+    if args.restart:  # asked for, and the rest of the set-up is valid
+        restart_aside(run_dir, ckpt_dir, say)
+    ckpt = Checkpointer(ckpt_dir, cfg.train.keep_checkpoints, cfg.train.async_checkpoints)
+    try:
+        state, start, notes = restore_or_init(cfg, parts, ckpt, batches)
+    except BaseException:
+        ckpt.close()
+        raise
 
-    # data and tokenizer
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = {"train": train_paths, "val": val_paths, "train_tokens": train_tokens}
+    meta = write_run_files(args, cfg, run_dir, tokenizer_src, mesh, layout, data)
+    metrics = Metrics(run_dir, start, main_proc)
+    if metrics.superseded:
+        notes.append(
+            f"note: {metrics.superseded} lines of metrics.jsonl after step {start} (logged by an "
+            f"earlier run past its last checkpoint) moved to metrics.superseded.jsonl"
+        )
+    fallbacks = replicated_fallbacks(cfg.model, mesh)
+    if fallbacks:
+        notes.append(replication_notice(fallbacks, mesh.size))
+    t = Trainer(
+        cfg=cfg, mesh=mesh, say=say, main_proc=main_proc, ckpt_dir=ckpt_dir, layout=layout,
+        batches=batches, val_batches=val_batches, tokenizer_src=tokenizer_src,
+        train_step=parts["train_step"], eval_step=parts["eval_step"], state=state, start=start,
+        ckpt=ckpt, metrics=metrics, meta=meta,
+        flops_per_token=training_flops_per_token(cfg.model),
+        peak=cfg.train.peak_flops or measure_matmul_flops(mesh), no_bar=args.no_progress,
+    )  # fmt: skip
+    announce(t, args.config, train_tokens, [*cfg.notices, *notes])
+    return t
+
+
+def restart_aside(run_dir: Path, ckpt_dir: Path, say) -> None:
+    """--restart: move the checkpoints and metrics into RUN_DIR/restarted-<time>/ (process 0)."""
+    names = ("metrics.jsonl", "metrics.superseded.jsonl", "tensorboard")
+    corrupt = ckpt_dir.with_name(ckpt_dir.name + "-corrupt")
+    found = [p for p in (ckpt_dir, corrupt, *(run_dir / n for n in names)) if p.exists()]
+    if found and jax.process_index() == 0:
+        dest = run_dir / f"restarted-{time.strftime('%Y%m%d-%H%M%S')}"
+        while dest.exists():
+            dest = dest.with_name(dest.name + "+")
+        dest.mkdir(parents=True)
+        for p in found:
+            shutil.move(str(p), str(dest / p.name))
+        say(f"restart: moved {', '.join(p.name for p in found)} into {dest}; starting at step 0")
+    multihost_utils.sync_global_devices("laplace: restart")
+
+
+def open_data(args, model_cfg, main_proc: bool):
+    """(training shard paths, validation shard paths, tokenizer.json or None), checked."""
+    from train import data as data_lib
+
     if args.data:
         train_paths = data_lib.expand_shards(args.data)
         val_paths = data_lib.expand_shards(args.val_data) if args.val_data else []
@@ -234,64 +261,103 @@ def run(args) -> int:
                 f"tokenizer {tokenizer_src} has {tok_vocab} tokens, more than the model's "
                 f"vocab_size {model_cfg.vocab_size}"
             )
+    return train_paths, val_paths, tokenizer_src
 
-    mesh = make_mesh(parse_mesh(args.mesh))
-    n_dev = mesh.shape["fsdp"]
-    B, A, M = batch_layout(tcfg, model_cfg.seq_len, n_dev, nproc)
-    train_src = data_lib.TokenWindows(train_paths, model_cfg.seq_len)
-    dataset = data_lib.train_dataset(train_src, B // nproc, tcfg.seed, proc, nproc)
-    batches = data_lib.BatchIterator(dataset, A)
+
+def build_pipeline(cfg: RunConfigs, layout, train_paths, val_paths):
+    """(training BatchIterator, validation batches, training tokens) of this process."""
+    from train import data as data_lib
+
+    B, A, M = layout
+    proc, nproc = jax.process_index(), jax.process_count()
+    train_src = data_lib.TokenWindows(train_paths, cfg.model.seq_len)
+    dataset = data_lib.train_dataset(train_src, B // nproc, cfg.train.seed, proc, nproc)
     val_batches = []
     if val_paths:
-        val_src = data_lib.TokenWindows(val_paths, model_cfg.seq_len)
-        val_batches = data_lib.eval_batches(val_src, M // nproc, tcfg.eval_batches, proc, nproc)
+        val_src = data_lib.TokenWindows(val_paths, cfg.model.seq_len)
+        n = cfg.train.eval_batches
+        val_batches = data_lib.eval_batches(val_src, M // nproc, n, proc, nproc)
+    return data_lib.BatchIterator(dataset, A), val_batches, train_src.num_tokens
 
-    # model, optimizer, shardings
-    model = LaplaceLM(model_cfg, unroll=unroll)
-    p_shard = param_shardings(model_cfg, mesh)
-    abs_params = abstract_with_shardings(abstract_params(model_cfg), p_shard)
-    tx, lr_schedule, o_shard = optim.build(opt_cfg, abs_params, p_shard, mesh)
-    abs_opt = jax.eval_shape(tx.init, abs_params)
-    train_step, state_shard = make_train_step(model, tx, mesh, p_shard, o_shard, tcfg.grad_clip)
-    eval_step = make_eval_step(model, mesh, p_shard)
 
-    requested = {"model": model_cfg.to_dict()}
-    opt_dict = opt_cfg.to_dict()
-    ckpt = Checkpointer(ckpt_dir, keep=tcfg.keep_checkpoints, async_save=tcfg.async_checkpoints)
-    restored = ckpt.restore_latest(abs_params, abstract_with_shardings(abs_opt, o_shard), requested)
+def build_model(cfg: RunConfigs, mesh) -> dict[str, Any]:
+    """The model's shardings, abstract state, optimizer and the jitted steps."""
+    from laplace_jax.model import LaplaceLM, abstract_params
+    from laplace_jax.sharding import param_shardings
+    from train.step import make_eval_step, make_train_step
+
+    unroll = cfg.train.scan_unroll or jax.default_backend() == "neuron"
+    model = LaplaceLM(cfg.model, unroll=unroll)
+    p_shard = param_shardings(cfg.model, mesh)
+    abs_params = abstract_with_shardings(abstract_params(cfg.model), p_shard)
+    tx, lr_schedule, o_shard = train_config.build_optimizer(cfg.optim, abs_params, p_shard, mesh)
+    abs_opt = abstract_with_shardings(jax.eval_shape(tx.init, abs_params), o_shard)
+    train_step, state_shard = make_train_step(
+        model, tx, mesh, p_shard, o_shard, cfg.train.grad_clip, lr_schedule=lr_schedule
+    )
+    return {
+        "tx": tx,
+        "p_shard": p_shard,
+        "o_shard": o_shard,
+        "state_shard": state_shard,
+        "abs_params": abs_params,
+        "abs_opt": abs_opt,
+        "train_step": train_step,
+        "eval_step": make_eval_step(model, mesh, p_shard),
+    }
+
+
+def restore_or_init(cfg: RunConfigs, parts, ckpt: Checkpointer, batches):
+    """(train state, start step, notice lines): the newest good checkpoint, or a new state when
+    there is none. Raises RestoreError (nothing changed) when checkpoints exist but none can be
+    restored, or when they belong to another model or layout."""
+    from laplace_jax.model import init_params
+
+    proc = jax.process_index()
+    nproc = jax.process_count()
+    tag = "warning" if nproc == 1 else f"warning (process {proc})"
+    restored = ckpt.restore_latest(
+        parts["abs_params"],
+        parts["abs_opt"],
+        {"model": cfg.model.to_dict()},
+        warn=lambda message: print(f"{tag}: {message}", file=sys.stderr),
+    )
+    notes = []
     if restored is not None:
         start = restored["step"]
         params, opt_state = restored["params"], restored["opt_state"]
         batches.set_state(restored["data"])
-        for line in config_diff(restored["meta"].get("optimizer", {}), opt_dict):
-            say(f"note: optimizer config changed since the checkpoint: {line}")
-        say(f"resumed from {ckpt_dir / str(start)} at step {start}")
+        for line in config_diff(restored["meta"].get("optimizer", {}), cfg.optim.to_dict()):
+            notes.append(f"note: optimizer config changed since the checkpoint: {line}")
+        notes.append(f"resumed from {ckpt.directory / str(start)} at step {start}")
     else:
         start = 0
-        key = jax.random.key(tcfg.seed)
-        params = jax.jit(lambda k: init_params(model_cfg, k), out_shardings=p_shard)(key)
-        opt_state = jax.jit(tx.init, out_shardings=o_shard)(params)
-    state = {
-        "params": params,
-        "opt_state": opt_state,
-        "bad_streak": jax.device_put(jnp.zeros((), jnp.int32), state_shard["bad_streak"]),
-    }
+        key = jax.random.key(cfg.train.seed)
+        init = jax.jit(lambda k: init_params(cfg.model, k), out_shardings=parts["p_shard"])
+        params = init(key)
+        opt_state = jax.jit(parts["tx"].init, out_shardings=parts["o_shard"])(params)
+    bad_streak = jax.device_put(jnp.zeros((), jnp.int32), parts["state_shard"]["bad_streak"])
+    return {"params": params, "opt_state": opt_state, "bad_streak": bad_streak}, start, notes
 
-    # run directory: config, tokenizer, metrics
+
+def write_run_files(args, cfg, run_dir, tokenizer_src, mesh, layout, data: dict):
+    """config.json and the tokenizer copy (process 0); the checkpoint meta they share."""
     tokenizer_ref = None
+    main_proc = jax.process_index() == 0
     if tokenizer_src is not None:
         tokenizer_ref = str((run_dir / "tokenizer.json").absolute())
         if main_proc and Path(tokenizer_src).resolve() != Path(tokenizer_ref).resolve():
             shutil.copyfile(tokenizer_src, tokenizer_ref)
+    B, A, M = layout
     run_config = {
-        "model": model_cfg.to_dict(),
-        "optimizer": opt_dict,
-        "train": tcfg.to_dict(),
-        "data": {"train": train_paths, "val": val_paths, "train_tokens": train_src.num_tokens},
+        "model": cfg.model.to_dict(),
+        "optimizer": cfg.optim.to_dict(),
+        "train": cfg.train.to_dict(),
+        "data": data,
         "tokenizer": tokenizer_ref,
         "tokenizer_source": str(tokenizer_src) if tokenizer_src else None,
-        "mesh": {"fsdp": n_dev},
-        "processes": nproc,
+        "mesh": {FSDP: mesh.size},
+        "processes": jax.process_count(),
         "batch": {"sequences": B, "accum_steps": A, "micro_batch": M},
     }
     if main_proc:
@@ -299,126 +365,161 @@ def run(args) -> int:
     meta = {k: run_config[k] for k in ("model", "optimizer", "train", "tokenizer")}
     meta["tokenizer_source"] = run_config["tokenizer_source"]
     meta["config"] = meta["model"]  # the name export/ looks for first
-    metrics = Metrics(run_dir, start, main_proc)
+    return meta
 
-    flops_per_token = training_flops_per_token(model_cfg)
-    peak = tcfg.peak_flops or measure_matmul_flops(mesh)
-    tokens_per_step = B * model_cfg.seq_len
-    say(
-        f"model {args.config}: {model_cfg.d_model}d x {model_cfg.n_layers}L, "
-        f"{parameter_counts(model_cfg)['total_params'] / 1e6:.1f}M params; "
-        f"mesh fsdp={n_dev} ({jax.default_backend()}); "
-        f"batch {B} x {model_cfg.seq_len} tokens (accum {A} x micro {M}); "
-        f"{train_src.num_tokens:,} training tokens; matmul peak {peak / 1e9:.1f} GFLOP/s"
+
+def replication_notice(fallbacks: list[str], n: int, show: int = 4) -> str:
+    more = f"; and {len(fallbacks) - show} more" if len(fallbacks) > show else ""
+    return (
+        f"note: {len(fallbacks)} parameters are replicated, not sharded: their {FSDP} axis does "
+        f"not divide by {FSDP}={n} (Muon orthogonalises each whole on every device): "
+        + "; ".join(fallbacks[:show])
+        + more
     )
 
-    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "fsdp"))
-    global_shape = (A, M, model_cfg.seq_len + 1)
-    nan_steps = set(args.debug_nan_at_step or [])
-    bar = tqdm(
-        total=tcfg.steps, initial=start, disable=not main_proc or args.no_progress, unit="step"
+
+def announce(t: Trainer, name: str, train_tokens: int, notes: list[str]) -> None:
+    from laplace_jax.accounting import parameter_counts
+
+    m, (B, A, M) = t.cfg.model, t.layout
+    for line in notes:
+        t.say(line)
+    t.say(
+        f"model {name}: {m.d_model}d x {m.n_layers}L, "
+        f"{parameter_counts(m)['total_params'] / 1e6:.1f}M params; "
+        f"mesh {FSDP}={t.mesh.size} ({jax.default_backend()}); "
+        f"batch {B} x {m.seq_len} tokens (accum {A} x micro {M}); "
+        f"{train_tokens:,} training tokens; matmul peak {t.peak / 1e9:.1f} GFLOP/s"
     )
-    window_tokens, window_time = 0, 0.0
-    status = 0
-    val_loss = None
-    for step in range(start, tcfg.steps):
-        t_step = time.perf_counter()  # step time: data, dispatch, compute (not eval or saves)
-        local = next(batches)
-        if step + 1 in nan_steps:  # test hook: out-of-range ids make the loss NaN
-            local = np.full_like(local, -(2**30))
-        batch = jax.make_array_from_process_local_data(batch_sharding, local, global_shape)
-        state, m = train_step(state, batch)
-        m = jax.device_get(m)
+
+
+# ---- the loop -------------------------------------------------------------------------------
+
+
+def train_loop(t: Trainer, hooks: Hooks) -> int:
+    """Steps t.start+1 .. steps: train, evaluate, log, checkpoint. 0, or 2 after too many
+    non-finite steps in a row."""
+    tc, (_, A, M) = t.cfg.train, t.layout
+    batch_sharding = logical_sharding(t.mesh, TRAIN_BATCH_AXES)
+    global_shape = (A, M, t.cfg.model.seq_len + 1)
+    bar = tqdm(total=tc.steps, initial=t.start, disable=not t.main_proc or t.no_bar, unit="step")
+    window = [0, 0.0]  # tokens and seconds of timed steps since the last metrics line
+    for step in range(t.start, tc.steps):
         done = step + 1
-        if step > start:  # the first step of a process includes compilation
-            window_tokens += tokens_per_step
-            window_time += time.perf_counter() - t_step
-
+        t_step = time.perf_counter()  # step time: data, dispatch, compute (not eval or saves)
+        local = next(t.batches)
+        if hooks.batch is not None:
+            local = hooks.batch(done, local)
+        batch = jax.make_array_from_process_local_data(batch_sharding, local, global_shape)
+        t.state, m = t.train_step(t.state, batch)
+        m = jax.device_get(m)
+        if step > t.start:  # the first step of a process includes compilation
+            window[0] += t.tokens_per_step
+            window[1] += time.perf_counter() - t_step
         if not m["applied"]:
-            say(
+            t.say(
                 f"\nstep {done}: loss {m['loss']} / grad norm {m['grad_norm']} not finite; "
                 f"update skipped ({m['bad_streak']} in a row)"
             )
-
-        is_last = done == tcfg.steps
-        if tcfg.eval_every and val_batches and (done % tcfg.eval_every == 0 or is_last):
-            val_loss = _evaluate(eval_step, state["params"], val_batches, mesh, M, model_cfg)
-        elif is_last and val_batches:
-            val_loss = _evaluate(eval_step, state["params"], val_batches, mesh, M, model_cfg)
-
-        first = step == start
-        if (
-            done % tcfg.log_every == 0
-            or first
-            or is_last
-            or val_loss is not None
-            or not m["applied"]
-        ):
-            if not tcfg.peak_flops and not first:
-                # the best matmul rate seen so far: on a shared machine a busy moment at start
-                # would otherwise overstate MFU
-                peak = max(peak, measure_matmul_flops(mesh, reps=2))
-            tps = window_tokens / window_time if window_time > 0 else float("nan")
-            record = {
-                "step": done,
-                "loss": float(m["loss"]),
-                "grad_norm": float(m["grad_norm"]),
-                "lr": float(lr_schedule(done - 1)),
-                "tokens_per_s": tps,
-                "mfu": tps * flops_per_token / peak,
-                "applied": bool(m["applied"]),
-                "tokens": done * tokens_per_step,
-            }
-            if val_loss is not None:
-                record["val_loss"] = val_loss
-            metrics.write({k: _json_num(v) for k, v in record.items()})
-            post = {"loss": f"{record['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
-            post["mfu"] = f"{record['mfu']:.1%}"
-            if val_loss is not None:
-                post["val"] = f"{val_loss:.3f}"
-            bar.set_postfix(post, refresh=False)
-            val_loss = None
-            window_tokens, window_time = 0, 0.0
+        is_last = done == tc.steps
+        val_loss = None
+        if t.val_batches and (is_last or (tc.eval_every and done % tc.eval_every == 0)):
+            val_loss = evaluate(t)
+        regular = done % tc.log_every == 0 or step == t.start or is_last
+        if regular or val_loss is not None or not m["applied"]:
+            log_step(t, done, m, val_loss, window, bar)
+            window[:] = [0, 0.0]
         bar.update(1)
-
-        if m["bad_streak"] >= tcfg.max_bad_steps:
-            ckpt.wait()
-            last_good = ckpt.all_steps()[-1] if ckpt.all_steps() else None
-            say(
-                f"\nstopping: {m['bad_streak']} non-finite steps in a row "
-                f"(max_bad_steps={tcfg.max_bad_steps}); last good checkpoint: "
-                f"{ckpt_dir / str(last_good) if last_good is not None else 'none'}"
-            )
-            status = 2
-            break
-
-        if (done % tcfg.ckpt_every == 0 or is_last) and m["bad_streak"] == 0:
-            ckpt.save(done, state["params"], state["opt_state"], batches.get_state(), meta)
-
-        if args.debug_sigkill_at_step == done:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if m["bad_streak"] >= tc.max_bad_steps:
+            bar.close()
+            stop_on_bad_streak(t, int(m["bad_streak"]))
+            return 2
+        if (done % tc.ckpt_every == 0 or is_last) and m["bad_streak"] == 0:
+            params, opt_state = t.state["params"], t.state["opt_state"]
+            t.ckpt.save(done, params, opt_state, t.batches.get_state(), t.meta)
+        if hooks.after_step is not None:
+            hooks.after_step(done)
     bar.close()
-    ckpt.close()
-    metrics.close()
+    return 0
 
-    if status == 0 and tcfg.sample_tokens and tokenizer_src is not None:
-        params = state["params"]
-        if nproc > 1:  # the params span several hosts: gather a full copy (a collective)
-            from jax.experimental import multihost_utils
 
+def log_step(t: Trainer, done: int, m: dict, val_loss, window, bar) -> None:
+    """One metrics.jsonl line; `lr` is the rate optax applied this step (see train/step.py)."""
+    from train.step import measure_matmul_flops
+
+    now = time.perf_counter()
+    if not t.cfg.train.peak_flops and now - t.peak_measured_at > PEAK_REMEASURE_S:
+        # the best matmul rate seen so far: on a shared machine a busy moment at start would
+        # otherwise overstate MFU
+        t.peak = max(t.peak, measure_matmul_flops(t.mesh, reps=2))
+        t.peak_measured_at = now
+    tps = window[0] / window[1] if window[1] > 0 else float("nan")
+    record = {
+        "step": done,
+        "loss": float(m["loss"]),
+        "grad_norm": float(m["grad_norm"]),
+        "lr": float(m["lr"]),
+        "tokens_per_s": tps,
+        "mfu": tps * t.flops_per_token / t.peak,
+        "applied": bool(m["applied"]),
+        "tokens": done * t.tokens_per_step,
+    }
+    if val_loss is not None:
+        record["val_loss"] = val_loss
+    t.metrics.write({k: json_number(v) for k, v in record.items()})
+    post = {"loss": f"{record['loss']:.3f}", "tok/s": f"{tps:,.0f}", "mfu": f"{record['mfu']:.1%}"}
+    if val_loss is not None:
+        post["val"] = f"{val_loss:.3f}"
+    bar.set_postfix(post, refresh=False)
+
+
+def stop_on_bad_streak(t: Trainer, streak: int) -> None:
+    t.ckpt.wait()
+    steps = t.ckpt.all_steps()
+    last_good = t.ckpt_dir / str(steps[-1]) if steps else "none"
+    t.say(
+        f"\nstopping: {streak} non-finite steps in a row "
+        f"(max_bad_steps={t.cfg.train.max_bad_steps}); last good checkpoint: {last_good}"
+    )
+
+
+def evaluate(t: Trainer) -> float:
+    M, seq_len = t.layout[2], t.cfg.model.seq_len
+    sharding = logical_sharding(t.mesh, EVAL_BATCH_AXES)
+    losses = [
+        t.eval_step(
+            t.state["params"], jax.make_array_from_process_local_data(sharding, b, (M, seq_len + 1))
+        )
+        for b in t.val_batches
+    ]
+    return float(np.mean(jax.device_get(losses)))
+
+
+# ---- the end --------------------------------------------------------------------------------
+
+
+def finish(t: Trainer, status: int) -> int:
+    """Wait for the last checkpoint, close the logs; after a good run, print a greedy sample."""
+    t.ckpt.close()
+    t.metrics.close()
+    tc = t.cfg.train
+    if status == 0 and tc.sample_tokens and t.tokenizer_src is not None:
+        params = t.state["params"]
+        if jax.process_count() > 1:  # the params span several hosts: gather a full copy
             params = multihost_utils.process_allgather(params, tiled=True)
-        if main_proc:
-            print_sample(params, model_cfg, tokenizer_src, tcfg)
+        if t.main_proc:
+            print_sample(params, t.cfg.model, t.tokenizer_src, tc)
     return status
 
 
-def _evaluate(eval_step, params, val_batches, mesh, M, cfg) -> float:
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
-    losses = [
-        eval_step(params, jax.make_array_from_process_local_data(sharding, b, (M, cfg.seq_len + 1)))
-        for b in val_batches
-    ]
-    return float(np.mean(jax.device_get(losses)))
+def run(args, hooks: Hooks | None = None) -> int:
+    t = set_up(args)
+    try:
+        status = train_loop(t, hooks or Hooks())
+    except BaseException:
+        t.ckpt.close()  # let a started save finish; the exception goes on
+        raise
+    return finish(t, status)
 
 
 def print_sample(params, cfg, tokenizer_path, tcfg) -> None:
@@ -433,18 +534,20 @@ def print_sample(params, cfg, tokenizer_path, tcfg) -> None:
     print(f"greedy sample ({tcfg.sample_tokens} tokens):\n{text}")
 
 
-def _json_num(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
-
-
-def main(argv=None) -> int:
+def main(argv=None, hooks: Hooks | None = None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     try:
-        status = run(args)
-    except (ConfigError, ConfigMismatch) as e:
+        status = run(args, hooks)
+    except NoUsableCheckpoint as e:
+        aside = Path(args.run_dir) / "restarted-<time>"
+        print(
+            f"error: {e}.\nTo start this run over at step 0, run the same command with "
+            f"--restart: the checkpoints and metrics.jsonl are first moved into {aside}/",
+            file=sys.stderr,
+        )
+        return 2
+    except (ConfigError, RestoreError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if jax.process_index() == 0:

@@ -3,7 +3,9 @@
 Everything inside the step respects the Neuron constraints of DESIGN.md section 1: no
 `lax.cond`, no host callbacks, a scan only with a static trip count (the accumulation steps).
 A step whose loss or gradient norm is not finite is not applied: `jnp.where` selects the old
-parameters and optimizer state, and `bad_streak` counts such steps in a row.
+parameters and optimizer state, and `bad_streak` counts such steps in a row. The old state
+includes optax's step counts, so after a skipped step the schedule lags the host's step counter:
+the `lr` metric is the rate optax applied, read from the state's count, not from the host step.
 
 The train state is a plain dict {"params", "opt_state", "bad_streak"}; the host loop owns the
 step counter (it is also the data position and the checkpoint number).
@@ -18,25 +20,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from laplace_jax.model import LaplaceLM
-from laplace_jax.sharding import FSDP
+from laplace_jax.sharding import logical_sharding, replicated
+
+# Logical axes of the token batches (the rules table in laplace_jax/sharding.py places them).
+TRAIN_BATCH_AXES = ("accum", "batch", "length")  # [A, M, T + 1]
+EVAL_BATCH_AXES = ("batch", "length")  # [M, T + 1]
 
 
 def loss_fn(model: LaplaceLM, params, tokens):
     """Mean next-token cross-entropy of tokens [B, T + 1] (inputs [:, :-1], targets [:, 1:])."""
     logits, _ = model.apply({"params": params}, tokens[:, :-1])  # [B, T, V] fp32
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-
-def accum_batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Batches [accum, micro, T + 1]: the micro-batch's sequences split over `fsdp`."""
-    return NamedSharding(mesh, PartitionSpec(None, FSDP, None))
-
-
-def eval_batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec(FSDP, None))
 
 
 def make_train_step(
@@ -46,14 +43,19 @@ def make_train_step(
     param_shardings,
     opt_shardings,
     grad_clip: float = 1.0,
+    lr_schedule=None,
 ):
-    """jit(step)(state, batch [A, B, T + 1]) -> (state, metrics), with explicit shardings."""
+    """jit(step)(state, batch [A, B, T + 1]) -> (state, metrics), with explicit shardings.
+
+    With `lr_schedule` (step -> Muon's rate), the metrics hold `lr`: that schedule at optax's own
+    count (`schedule_count`), i.e. the learning rate this step applied.
+    """
     state_shardings = {
         "params": param_shardings,
         "opt_state": opt_shardings,
-        "bad_streak": NamedSharding(mesh, PartitionSpec()),
+        "bad_streak": replicated(mesh),
     }
-    repl = NamedSharding(mesh, PartitionSpec())
+    repl = replicated(mesh)
     grad_fn = jax.value_and_grad(lambda p, t: loss_fn(model, p, t))
 
     def step(state, batch):
@@ -97,30 +99,44 @@ def make_train_step(
             "applied": ok,
             "bad_streak": new_state["bad_streak"],
         }
+        if lr_schedule is not None:
+            count = schedule_count(state["opt_state"])
+            metrics["lr"] = jnp.asarray(lr_schedule(count), jnp.float32)
         return new_state, metrics
 
-    metric_shardings = {k: repl for k in ("loss", "grad_norm", "applied", "bad_streak")}
+    names = ("loss", "grad_norm", "applied", "bad_streak") + (("lr",) if lr_schedule else ())
+    metric_shardings = {k: repl for k in names}
     return jax.jit(
         step,
-        in_shardings=(state_shardings, accum_batch_sharding(mesh)),
+        in_shardings=(state_shardings, logical_sharding(mesh, TRAIN_BATCH_AXES)),
         out_shardings=(state_shardings, metric_shardings),
         donate_argnums=0,
     ), state_shardings
+
+
+def schedule_count(opt_state):
+    """optax's step count in `opt_state` (that of its first `scale_by_schedule`): the step at
+    which the learning-rate schedule is evaluated next. It does not advance on a skipped step."""
+    is_count = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+    for leaf in jax.tree.leaves(opt_state, is_leaf=is_count):
+        if is_count(leaf):
+            return leaf.count
+    raise ValueError("the optimizer state has no learning-rate schedule (no ScaleByScheduleState)")
 
 
 def make_eval_step(model: LaplaceLM, mesh: Mesh, param_shardings):
     """jit(loss)(params, tokens [B, T + 1]) -> mean loss."""
     return jax.jit(
         lambda p, t: loss_fn(model, p, t),
-        in_shardings=(param_shardings, eval_batch_sharding(mesh)),
-        out_shardings=NamedSharding(mesh, PartitionSpec()),
+        in_shardings=(param_shardings, logical_sharding(mesh, EVAL_BATCH_AXES)),
+        out_shardings=replicated(mesh),
     )
 
 
 @functools.lru_cache(maxsize=4)
 def _matmul_probe(mesh: Mesh, size: int):
-    n = mesh.shape[FSDP]
-    sharding = NamedSharding(mesh, PartitionSpec(FSDP))
+    n = mesh.size
+    sharding = logical_sharding(mesh, ("batch", "length", "length"))  # one pair per device
     a = jax.device_put(
         np.random.default_rng(0).standard_normal((n, size, size), np.float32), sharding
     )
@@ -135,7 +151,7 @@ def measure_matmul_flops(mesh: Mesh, size: int = 1024, reps: int = 5) -> float:
     Every device multiplies its own [size, size] pair at the same time, so simulated devices
     sharing CPU cores are not counted twice.
     """
-    n = mesh.shape[FSDP]
+    n = mesh.size
     f, a = _matmul_probe(mesh, size)
     best = float("inf")
     for _ in range(reps):

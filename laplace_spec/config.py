@@ -1,8 +1,13 @@
-"""Model configuration: one frozen dataclass, presets, validation, JSON and overrides.
+"""The model configuration and everything derived from it: the one source of truth.
 
 The fields are those of DESIGN.md section 2. `LaplaceConfig` describes the model only;
 optimizer and training settings live with the optimizer and the trainer, so that an exported
 `config.json` carries exactly what is needed to rebuild the network.
+
+Derived quantities (projection widths, the decay schedule, the tier layout, state shapes and
+bytes) are written here once and read by the Flax model, the accounting, the exporter, the
+Hugging Face config, the PyTorch module and the vLLM model. This module imports neither JAX nor
+PyTorch (nor numpy): any side can use it.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 DTYPES = ("float32", "bfloat16")
+FP32_BYTES = 4
+BF16_BYTES = 2
 
 
 class ConfigError(ValueError):
@@ -42,19 +49,62 @@ class LaplaceConfig:
     def __post_init__(self):
         validate(self)
 
-    # ---- derived sizes --------------------------------------------------------------------
+    # ---- derived sizes (DESIGN.md section 2) ------------------------------------------------
+    @property
+    def qkvg_split(self) -> tuple[int, int, int, int]:
+        """Widths of q, k, v, g in the fused projection: H d_k, H d_k, H d_v, H d_v."""
+        H = self.n_heads
+        return H * self.d_k, H * self.d_k, H * self.d_v, H * self.d_v
+
     @property
     def qkvg_dim(self) -> int:
         """Output width of the fused W_qkvg: H (2 d_k + 2 d_v) (9,216 for 3B)."""
-        return self.n_heads * (2 * self.d_k + 2 * self.d_v)
+        return sum(self.qkvg_split)
 
     @property
     def heads_per_tier(self) -> int:
+        """Tiers are contiguous groups of heads: head h uses scale gamma_{h // heads_per_tier}."""
         return self.n_heads // self.n_tiers
 
     @property
     def n_chunks(self) -> int:
         return self.seq_len // self.chunk_size
+
+    def log_decay(self) -> tuple[float, ...]:
+        """gamma_h = ln(lambda_h) = -ln 2 / T_h, T_h = T_min (T_max / T_min) ** (h / (H - 1)).
+
+        In float64 (Python floats); each framework rounds it to fp32 once. Head 0 has
+        lambda = 2 ** (-1 / T_min), the last head 2 ** (-1 / T_max).
+        """
+        H = self.n_heads
+        ratio = self.t_max / self.t_min
+        return tuple(-math.log(2.0) / (self.t_min * ratio ** (h / max(H - 1, 1))) for h in range(H))
+
+    # ---- the recurrent state of one sequence (fp32) ----------------------------------------
+    @property
+    def gla_state_shape(self) -> tuple[int, int, int]:
+        """One layer's GLA matrices S: [H, d_k, d_v]."""
+        return self.n_heads, self.d_k, self.d_v
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        """One layer's conv window: the last W LayerNorm_1 outputs, [W, D]."""
+        return self.conv_width, self.d_model
+
+    def state_bytes_per_sequence(self, conv_window: int | None = None) -> dict[str, int]:
+        """fp32 state bytes of one sequence: {"gla", "conv", "total"}, all layers.
+
+        With the model's `conv_width`-wide window, 29,491,200 for 3B (the write-up's 29.5 MB);
+        a decoder keeping only the `conv_width - 1` past inputs would need 29,196,288.
+        """
+        W = self.conv_width if conv_window is None else conv_window
+        gla = self.n_layers * math.prod(self.gla_state_shape) * FP32_BYTES
+        conv = self.n_layers * W * self.d_model * FP32_BYTES
+        return {"gla": gla, "conv": conv, "total": gla + conv}
+
+    def kv_cache_bytes(self, n_tokens: int) -> int:
+        """bf16 K and V of a softmax transformer of the same width and depth at n_tokens."""
+        return 2 * self.n_layers * self.d_model * BF16_BYTES * n_tokens
 
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

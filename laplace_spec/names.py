@@ -1,8 +1,8 @@
 """The one table between JAX parameter paths and exported tensor names.
 
 Export (`export/main.py`) and serving (`serve/modeling_laplace.py`, `serve/vllm_model.py`) both
-read this table, so a rename cannot drift between them. It imports neither JAX nor PyTorch: a
-model folder loads with no JAX installed.
+read this table, so a rename cannot drift between them. Like `laplace_spec.config`, it imports
+neither JAX nor PyTorch: a model folder loads with no JAX installed.
 
 Each entry gives the JAX path (`/`-joined keys of the Flax `params` collection, see
 docs/parameters.md), the exported tensor name (Hugging Face style, equal to the PyTorch module's
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+
+from laplace_spec.config import LaplaceConfig
 
 # ---- layout transforms (numpy-compatible: they only use .T / .shape) ----------------------
 
@@ -60,19 +61,11 @@ class Entry:
         return TRANSFORMS[self.transform][1](x)
 
 
-def _get(cfg: Any, key: str) -> int:
-    """Read a size from a LaplaceConfig (JAX side) or a dict / HF config (serving side)."""
-    if isinstance(cfg, Mapping):
-        return int(cfg[key])
-    return int(getattr(cfg, key))
-
-
-def table(cfg: Any) -> list[Entry]:
+def table(cfg: LaplaceConfig) -> list[Entry]:
     """Every parameter of a Laplace model of this config, in a fixed order."""
-    V, D, L = _get(cfg, "vocab_size"), _get(cfg, "d_model"), _get(cfg, "n_layers")
-    H, dk, dv = _get(cfg, "n_heads"), _get(cfg, "d_k"), _get(cfg, "d_v")
-    W, F, n_tiers = _get(cfg, "conv_width"), _get(cfg, "ffn_dim"), _get(cfg, "n_tiers")
-    qkvg = H * (2 * dk + 2 * dv)
+    V, D, L = cfg.vocab_size, cfg.d_model, cfg.n_layers
+    H, dk, dv = cfg.n_heads, cfg.d_k, cfg.d_v
+    W, F, n_tiers, qkvg = cfg.conv_width, cfg.ffn_dim, cfg.n_tiers, cfg.qkvg_dim
     out = [Entry("embed/embedding", "model.embed_tokens.weight", (V, D), "identity")]
     for i in range(L):
         j, t = f"layer_{i}", f"model.layers.{i}"
@@ -95,7 +88,7 @@ def table(cfg: Any) -> list[Entry]:
     return out
 
 
-def exported_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+def exported_shapes(cfg: LaplaceConfig) -> dict[str, tuple[int, ...]]:
     """Exported tensor name -> exported shape."""
     return {e.name: e.shape for e in table(cfg)}
 
@@ -120,7 +113,7 @@ def mismatches(
     return problems
 
 
-def check_tensors(cfg: Any, shapes: Mapping[str, tuple[int, ...]], *, side: str) -> None:
+def check_tensors(cfg: LaplaceConfig, shapes: Mapping[str, tuple[int, ...]], *, side: str) -> None:
     """Every expected tensor present with its shape, and nothing else (`side` is for messages).
 
     `shapes` maps exported names to shapes. Raises WeightError naming every offender.

@@ -1,0 +1,53 @@
+"""The Hugging Face config of Laplace (`model_type` "laplace"), built on `laplace_spec.config`.
+
+`LaplaceHFConfig` declares no model field of its own: its fields, their defaults (laplace-3b)
+and their validation are those of the `laplace_spec.config.LaplaceConfig` dataclass, and
+`config.laplace_config` returns that dataclass, which every serving module reads for derived
+sizes (projection widths, decay schedule, tiers, state shapes and bytes). What it adds is what
+Hugging Face and vLLM look for: `model_type`, the standard attribute aliases, the serving
+length `max_position_embeddings` and `tie_word_embeddings`.
+
+    config = LaplaceHFConfig(**get_config("tiny").to_dict())   # or AutoConfig.from_pretrained
+    config.laplace_config.state_bytes_per_sequence()["total"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from transformers import AutoConfig, PreTrainedConfig
+
+from laplace_spec.config import LaplaceConfig
+
+FIELDS = tuple(f.name for f in dataclasses.fields(LaplaceConfig))
+
+
+class LaplaceHFConfig(PreTrainedConfig):
+    """`laplace_spec.config.LaplaceConfig`'s fields as a Hugging Face config."""
+
+    model_type = "laplace"
+    attribute_map = {
+        "hidden_size": "d_model",
+        "num_hidden_layers": "n_layers",
+        "num_attention_heads": "n_heads",
+        "intermediate_size": "ffn_dim",
+    }
+
+    def __init__(
+        self, max_position_embeddings: int = 65_536, tie_word_embeddings: bool = False, **kwargs
+    ):
+        # the model fields: defaults, int -> float coercion and validation from the dataclass
+        spec = LaplaceConfig.from_dict({k: kwargs.pop(k) for k in FIELDS if k in kwargs})
+        for name, value in spec.to_dict().items():
+            setattr(self, name, value)
+        # the state is fixed-size, so any length is servable; this is the serving limit
+        self.max_position_embeddings = max_position_embeddings
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @property
+    def laplace_config(self) -> LaplaceConfig:
+        """The model fields as the one source of truth (validated again: attributes may be set)."""
+        return LaplaceConfig.from_dict({k: getattr(self, k) for k in FIELDS})
+
+
+AutoConfig.register("laplace", LaplaceHFConfig, exist_ok=True)
