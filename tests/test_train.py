@@ -323,6 +323,61 @@ def test_corrupt_newest_checkpoint_resumes_from_the_older_and_keeps_the_log(
     assert (run / "checkpoints-corrupt" / "8" / "params").is_dir()
 
 
+def _two_processes(args, port):
+    """The trainer as 2 JAX processes of 2 CPU devices each (jax.distributed on 127.0.0.1)."""
+    procs = []
+    for i in range(2):
+        env = {
+            **os.environ,
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(i),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "train.main", *args],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+        )
+    try:
+        outputs = [p.communicate(timeout=300) for p in procs]
+    finally:  # a hung pair (processes out of step) must not outlive the test
+        for p in procs:
+            p.kill()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs, strict=True)]
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_agree_on_the_checkpoint_when_one_finds_it_corrupt(shards, tmp_path):
+    """Only process 0's shards of the newest checkpoint are damaged: process 1 reads its own
+    fine, yet both skip it and resume from the same older step (and neither hangs)."""
+    run = tmp_path / "run"
+    common = ("--steps", "8", "--ckpt-every", "4", "eval_every=0")
+    for rc, _, err in _two_processes(_args(shards, run, *common), _free_port()):
+        assert rc == 0, err[-2000:]
+    for f in (run / "checkpoints" / "8" / "params").glob("ocdbt.process_0/d/*"):
+        f.write_bytes(f.read_bytes()[:10])
+    (p0, out0, err0), (p1, out1, err1) = _two_processes(_args(shards, run, *common), _free_port())
+    assert p0 == 0 and p1 == 0, (err0[-2000:], err1[-2000:])
+    assert "is corrupt (restore: ValueError: OUT_OF_RANGE" in err0
+    assert "is corrupt (another process found it corrupt" in err1
+    assert f"resumed from {run / 'checkpoints' / '4'} at step 4" in out0
+    assert _ckpt_steps(run / "checkpoints") == [4, 8]
+    assert (run / "checkpoints-corrupt" / "8").is_dir()
+
+
 def test_layout_mismatch_stops_the_run_without_touching_it(shards, tmp_path, capsys):
     """A checkpoint whose meta claims this model but whose arrays are another's (one layer)."""
     run = tmp_path / "run"

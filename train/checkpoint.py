@@ -190,12 +190,22 @@ class Checkpointer:
                 enable_async_checkpointing=async_save,
                 create=True,
             ),
-            item_handlers={
-                "params": ocp.StandardCheckpointHandler(),
-                "opt_state": ocp.StandardCheckpointHandler(),
-                "data": ocp.JsonCheckpointHandler(),
-                "meta": ocp.JsonCheckpointHandler(),
-            },
+            item_handlers=_item_handlers(),
+        )
+        # Restores go through a read-only manager of this process alone: orbax ends every
+        # restore with a barrier of its active processes, and a process whose read fails skips
+        # it, which would leave the others waiting (and every later barrier out of step). Each
+        # process reads its own shards with no barrier; `restore_latest` then makes them agree.
+        me = jax.process_index()
+        self.reader = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                read_only=True,
+                multiprocessing_options=ocp.options.MultiprocessingOptions(
+                    primary_host=me, active_processes={me}
+                ),
+            ),
+            item_handlers=_item_handlers(),
         )
 
     def all_steps(self) -> list[int]:
@@ -215,7 +225,7 @@ class Checkpointer:
         )
 
     def read_meta(self, step: int) -> dict:
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+        return self.reader.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
             "meta"
         ]
 
@@ -261,7 +271,7 @@ class Checkpointer:
             self._check_layout(step, {"params": abstract_params, "opt_state": abstract_opt_state})
             restored = _read(
                 "restore",
-                lambda: self.manager.restore(
+                lambda: self.reader.restore(
                     step,
                     args=ocp.args.Composite(
                         params=ocp.args.StandardRestore(abstract_params),
@@ -295,7 +305,7 @@ class Checkpointer:
     def _check_layout(self, step: int, targets: dict) -> None:
         """LayoutMismatch unless the saved arrays' paths and shapes are the targets', read from
         orbax's metadata (no array data); `_Corrupt` when that metadata is unreadable."""
-        metadata = _read("metadata", lambda: self.manager.item_metadata(step))
+        metadata = _read("metadata", lambda: self.reader.item_metadata(step))
         problems = []
         for item, target in targets.items():
             saved = metadata.get(item) if hasattr(metadata, "get") else None
@@ -320,6 +330,7 @@ class Checkpointer:
                 warn(f"moved corrupt checkpoint {self.directory / str(step)} to {dest}")
         multihost_utils.sync_global_devices("laplace: corrupt checkpoints set aside")
         self.manager.reload()
+        self.reader.reload()
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -327,6 +338,16 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+        self.reader.close()
+
+
+def _item_handlers() -> dict:
+    return {
+        "params": ocp.StandardCheckpointHandler(),
+        "opt_state": ocp.StandardCheckpointHandler(),
+        "data": ocp.JsonCheckpointHandler(),
+        "meta": ocp.JsonCheckpointHandler(),
+    }
 
 
 def _read(what: str, fn):
