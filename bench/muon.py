@@ -25,7 +25,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 import argparse  # noqa: E402
-import math  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -34,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
-from laplace_jax import muon_accounting  # noqa: E402
+from laplace_jax import hlo, muon_accounting  # noqa: E402
 from laplace_jax.accounting import parameter_counts, training_flops_per_token  # noqa: E402
 from laplace_jax.model import abstract_params, init_params  # noqa: E402
 from laplace_jax.optim import (  # noqa: E402
@@ -47,49 +46,6 @@ from laplace_jax.sharding import abstract_with_shardings, make_mesh, param_shard
 from laplace_spec.config import PRESETS  # noqa: E402
 
 TOKENS_PER_STEP = 524_288  # 256 x 2,048 (DESIGN.md s4)
-COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
-ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s32": 4, "u32": 4, "pred": 1}
-
-
-def hlo_collectives(hlo: str, n: int) -> list[dict]:
-    """Every collective instruction of a compiled module: kind, dtype, elements per device,
-    group size, and the elements one device sends and receives (excluding its own share)."""
-    out = []
-    for line in hlo.splitlines():
-        m = re.match(
-            r"\s*(?:ROOT )?%?\S+ = (.*?) (" + "|".join(COLLECTIVES) + r")(?:-start)?\(", line
-        )
-        if not m:
-            continue
-        types, kind = m.groups()
-        shapes = re.findall(r"(\w+)\[([\d,]*)\]", types)
-        elems = sum(math.prod(int(d) for d in dims.split(",") if d) for _, dims in shapes)
-        dtypes = {t for t, _ in shapes}
-        groups = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
-        iota = re.search(r"replica_groups=\[\d+,(\d+)\]", line)
-        g = len(groups.group(1).split(",")) if groups else int(iota.group(1)) if iota else n
-        if kind in ("all-to-all", "all-gather"):  # result: whole buffer; own 1/g stays home
-            moved = (g - 1) * elems // g
-            sent, recv = moved, moved
-        elif kind == "all-reduce":  # ring reduce-scatter + all-gather
-            sent = recv = 2 * (g - 1) * elems // g
-        elif kind == "reduce-scatter":
-            sent = recv = (g - 1) * elems
-        else:
-            sent = recv = elems
-        out.append(
-            {
-                "kind": kind,
-                "dtype": "/".join(sorted(dtypes)),
-                "elements": elems,
-                "group": g,
-                "sent_elements": sent,
-                "received_elements": recv,
-            }
-        )
-    return out
-
-
 def traffic_3b(n: int) -> dict:
     cfg = PRESETS["laplace-3b"]
     mesh = make_mesh(n)
@@ -113,18 +69,16 @@ def traffic_3b(n: int) -> dict:
         )
         compiled = lowered.compile()
         compile_s = time.perf_counter() - t0
-        colls = hlo_collectives(compiled.as_text(), n)
+        # bytes one device receives (laplace_jax.hlo); it sends as many: traffic = 2 x received
+        colls = hlo.collectives(compiled.as_text(), n)
         plan = muon_plan(opt, abstract, mesh)
         item = jnp.dtype(plan.dtype).itemsize
-        moved = sum(c["sent_elements"] + c["received_elements"] for c in colls)
-        compiled_bytes = sum(
-            (c["sent_elements"] + c["received_elements"]) * ITEMSIZE[c["dtype"].split("/")[0]]
-            for c in colls
-        )
+        moved = sum(2 * c["received"] // hlo.ITEMSIZE[c["dtype"]] for c in colls)  # elements
+        compiled_bytes = sum(2 * c["received"] for c in colls)
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list | tuple) else cost
         out[mode] = {
-            "collectives": {k: sum(c["kind"] == k for c in colls) for k in COLLECTIVES},
+            "collectives": {k: sum(c["kind"] == k for c in colls) for k in hlo.COLLECTIVE_KINDS},
             "collective_dtypes_in_program": program_dtypes,
             "collective_dtypes_in_cpu_hlo": sorted({c["dtype"] for c in colls}),
             "hlo_bytes_per_device": moved * item,

@@ -1,4 +1,8 @@
-"""Greedy generation with the JAX model: chunked prefill, then the O(1) decode step."""
+"""Greedy generation with the JAX model: chunked prefill, then the O(1) decode step.
+
+The greedy token is chosen without `argmax`, which lowers to a variadic (value, index) reduce
+that the Neuron plugin does not support (DESIGN.md s1): `greedy_token` uses two plain reductions.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +16,19 @@ from laplace_jax.model import LaplaceLM
 from laplace_spec.config import LaplaceConfig
 
 
+def greedy_token(logits):
+    """logits [..., V] -> the first index of the largest logit [...], exactly `argmax`'s choice
+    for finite logits, from a max and a min (single-operand reductions)."""
+    V = logits.shape[-1]
+    best = jnp.max(logits, axis=-1, keepdims=True)
+    index = jnp.arange(V, dtype=jnp.int32)
+    return jnp.min(jnp.where(logits == best, index, V - 1), axis=-1)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _prefill(config, params, tokens):
     logits, state = LaplaceLM(config).apply({"params": params}, tokens)
-    return jnp.argmax(logits[:, -1], -1), state
+    return greedy_token(logits[:, -1]), state
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -23,7 +36,7 @@ def _decode(config, params, token, state):
     logits, state = LaplaceLM(config).apply(
         {"params": params}, token, state, method=LaplaceLM.decode_step
     )
-    return jnp.argmax(logits, -1), state
+    return greedy_token(logits), state
 
 
 def greedy_generate(

@@ -1,0 +1,179 @@
+"""`python -m train.plan` and the compiled-program reader under it (laplace_jax/hlo.py), checked
+on programs whose collectives and constructs are known by construction, then on the trainer's
+own programs (tiny and small presets, 8 simulated devices)."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from laplace_jax import hlo
+from laplace_jax.sharding import FSDP, make_mesh
+from laplace_spec import names
+from laplace_spec.config import get_config
+from train import plan as train_plan
+
+DESIGN_PLAN_KEYS = {  # DESIGN.md s7
+    "train_step_gib_per_device",
+    "train_step_fits_24gib",
+    "collective_bytes_over_fsdp_ideal",
+    "neuron_census_violations",
+    "modelled_trn2_step_s",
+    "train_flops_per_step",
+}
+
+
+def _compiled_text(fn, *args, **jit_kwargs) -> str:
+    return jax.jit(fn, **jit_kwargs).lower(*args).compile().as_text()
+
+
+def test_collectives_are_counted_per_loop_trip():
+    """An all_gather inside a 3-step scan and a psum_scatter after it, on 8 devices: the reader
+    finds 3 executions of the gather and the bytes a ring moves into one device."""
+    mesh = make_mesh(8)
+    spec = PartitionSpec(FSDP)
+
+    def body(x):  # x: this device's [4, 16] rows of a [32, 16] f32 array
+        def step(carry, _):
+            full = jax.lax.all_gather(carry, FSDP, tiled=True)  # [32, 16]
+            return carry + full[:4] * 0.5, None
+
+        x, _ = jax.lax.scan(step, x, None, length=3)
+        return jax.lax.psum_scatter(jnp.tile(x, (8, 1)), FSDP, tiled=True)  # [32, 16] -> [4, 16]
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
+    x = jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=NamedSharding(mesh, spec))
+    got = hlo.collective_bytes(hlo.collectives(_compiled_text(fn, x), 8), False)
+    full = 32 * 16 * 4
+    assert got["all-gather"] == 3 * full * 7 // 8  # 7/8 of the gathered array, three times
+    assert got["reduce-scatter"] + got["all-reduce"] > 0
+    if got["reduce-scatter"]:  # [32, 16] in, [4, 16] out: 7 of 8 pieces arrive
+        assert got["reduce-scatter"] == full * 7 // 8
+
+
+def test_an_all_reduce_kept_only_as_a_slice_counts_as_a_reduce_scatter():
+    """The FSDP gradient of a row-sharded matrix: XLA:CPU all-reduces the whole gradient and
+    slices this device's rows; counted as compiled (all-reduce, 2 x 7/8 of it) and as the
+    reduce-scatter GPU/TPU/Neuron form from it (7/8)."""
+    mesh = make_mesh(8)
+    w = jax.ShapeDtypeStruct(
+        (64, 32), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec(FSDP))
+    )
+    x = jax.ShapeDtypeStruct(
+        (16, 64), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec(FSDP))
+    )
+    grad = jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w)))
+    text = _compiled_text(grad, w, x, out_shardings=w.sharding)
+    colls = hlo.collectives(text, 8)
+    here = hlo.collective_bytes(colls, target_forms_reduce_scatter=False)
+    target = hlo.collective_bytes(colls)
+    gradient = 64 * 32 * 4
+    if here["reduce-scatter"]:  # a backend that forms it itself
+        assert here["reduce-scatter"] == gradient * 7 // 8
+    else:
+        assert any(c["sliced"] for c in colls)
+        assert here["all-reduce"] >= 2 * gradient * 7 // 8
+        assert target["reduce-scatter"] == gradient * 7 // 8
+
+
+def test_census_flags_what_neuron_rejects_and_passes_a_clean_program():
+    x = jnp.ones((8,), jnp.float32)
+    clean = hlo.neuron_census(_compiled_text(lambda x: jnp.tanh(x) * 2, x))
+    assert clean["violations"] == 0
+    cond = hlo.neuron_census(
+        _compiled_text(lambda x: jax.lax.cond(x[0] > 0, jnp.sin, jnp.cos, x), x)
+    )
+    assert cond["conditionals"] >= 1
+    argmax = hlo.neuron_census(_compiled_text(lambda x: jnp.argmax(x), x))
+    assert argmax["variadic_reductions"] >= 1
+    loop = hlo.neuron_census(
+        _compiled_text(lambda x: jax.lax.while_loop(lambda c: c[0] < 100, lambda c: c * 2, x), x)
+    )
+    assert loop["while_loops_without_static_trip_count"] == 1
+    callback = hlo.neuron_census(
+        _compiled_text(
+            lambda x: jax.pure_callback(np.sin, jax.ShapeDtypeStruct((8,), x.dtype), x), x
+        )
+    )
+    assert callback["host_callbacks"] >= 1 and callback["violations"] >= 1
+    fixed = hlo.neuron_census(
+        _compiled_text(lambda x: jax.lax.fori_loop(0, 5, lambda i, c: jnp.sin(c) + c, x), x)
+    )
+    assert fixed["while_loops_without_static_trip_count"] == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    cfg = train_plan_resolve("tiny", ["global_batch_tokens=1024", "micro_batch_size=8"])
+    return train_plan.make_plan(cfg, make_mesh(8))
+
+
+def train_plan_resolve(preset, overrides):
+    from train import config as train_config
+
+    return train_config.resolve(preset, overrides, {})
+
+
+def test_plan_of_the_tiny_trainer(tiny_plan):
+    plan = tiny_plan
+    assert set(plan["headline"]) == DESIGN_PLAN_KEYS
+    assert plan["batch"] == {"sequences": 16, "accum_steps": 2, "micro_batch": 8, "tokens": 1024}
+    # parameters counted from the name table's shapes (not the accounting under test)
+    P = sum(math.prod(e.jax_shape) for e in names.table(get_config("tiny")))
+    assert plan["parameters"] == P
+    assert plan["headline"]["train_flops_per_step"] == 6 * P * 1024
+    assert set(plan["programs"]) == {
+        "init_params",
+        "init_optimizer",
+        "train_step",
+        "eval_step",
+        "generate_prefill",
+        "generate_decode",
+    }
+    step = plan["programs"]["train_step"]
+    # the step's arguments hold at least this device's share of params and optimizer state
+    assert step["memory"]["arguments"] >= 4 * P // 8
+    assert step["memory"]["fits"] and plan["headline"]["train_step_fits_24gib"] == 1
+    # every program but the threefry init (64-bit counters: Neuron runs use rbg) is Neuron-clean
+    for name in (
+        "init_optimizer",
+        "train_step",
+        "eval_step",
+        "generate_prefill",
+        "generate_decode",
+    ):
+        assert plan["programs"][name]["census"]["violations"] == 0, name
+    # the accumulation loop runs twice: a static trip count the census records
+    assert 2 in step["census"]["while_trip_counts"]
+    # FSDP ideal: 8 P 7/8 per micro-step, twice, plus Muon's a2a (received half of sent+received)
+    ideal = plan["fsdp_ideal_bytes_received"]
+    assert ideal["fsdp_per_micro_step"] == 8 * P * 7 // 8
+    assert ideal["total"] == 2 * ideal["fsdp_per_micro_step"] + ideal["muon_a2a"]
+    assert step["collectives"]["all-to-all"] == ideal["muon_a2a"]  # Muon's two all_to_alls
+    assert step["collectives"]["total"] > 0
+
+
+def test_plan_cli_prints_json_with_the_headline(capsys):
+    status = train_plan.main(
+        ["--config", "tiny", "global_batch_tokens=512", "--json", "--hbm-gib", "16"]
+    )
+    assert status == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert set(plan["headline"]) == DESIGN_PLAN_KEYS and plan["hbm_gib"] == 16.0
+    assert plan["mesh"] == {FSDP: 8}
+    assert train_plan.main(["--config", "tiny", "bogus=1"]) == 2
+
+
+def test_greedy_token_is_argmax_without_a_variadic_reduce():
+    from laplace_jax.generate import greedy_token
+
+    rng = np.random.default_rng(0)
+    logits = rng.integers(-3, 4, (64, 50)).astype(np.float32)  # many ties: the first must win
+    logits[5] = 2.0  # all equal
+    assert np.array_equal(greedy_token(jnp.asarray(logits)), np.argmax(logits, -1))
+    census = hlo.neuron_census(_compiled_text(greedy_token, jnp.asarray(logits)))
+    assert census["variadic_reductions"] == 0 and census["violations"] == 0

@@ -1,0 +1,277 @@
+"""`python -m train.plan`: compile, never run, every program the trainer puts on the devices.
+
+    python -m train.plan --config laplace-3b --devices 64 micro_batch_size=64 [--json]
+
+The configuration flags are `train.main`'s (`--config`, `key=value`, `--mesh`,
+`--global-batch-tokens`); `--devices N` simulates N CPU devices (set before JAX starts). Every
+input is a `jax.ShapeDtypeStruct` with its sharding, so nothing of the model's size is allocated:
+this is how a 3B step for 64 NeuronCores is checked on a 2-core CPU. For each program (parameter
+init, optimizer init, the train step with its accumulation, the eval step, generation prefill and
+decode) it reports:
+
+- memory per device from XLA's `memory_analysis()` (arguments, outputs, temporaries, aliased,
+  peak), against `--hbm-gib` (24 GiB: a trn2 logical NeuronCore at LNC=2);
+- collective bytes one device receives per run, by kind, read from the compiled HLO with loop
+  trip counts (`laplace_jax/hlo.py`); an all-reduce used only through a dynamic-slice counts as
+  the reduce-scatter that GPU/TPU/Neuron compilers form from it (XLA:CPU does not);
+- a Neuron census (conditionals, loops without a static trip count, custom calls and host
+  callbacks, variadic reductions, sort comparators, f64/int64 tensors, RNG algorithm).
+
+For the train step it adds the FSDP ideal (DESIGN.md s8: weights gathered in bf16 for the forward
+and again for the rematerialised backward, gradients reduce-scattered in fp32: 8 P (n-1)/n bytes
+per micro-step, plus Muon's two all_to_alls once per step; all counted as bytes received), the
+training FLOPs per step (6 x parameters x tokens, the write-up's count), and a modelled trn2 step
+time from stated assumptions (`TRN2`). Compiled here, on XLA:CPU: what the Neuron compiler makes
+of the same program (fusion, memory planning) can differ; nothing here ran on Trainium.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+GIB = 1024**3
+CENSUS_VIOLATIONS = (
+    "conditionals",
+    "while_loops_without_static_trip_count",
+    "custom_call_targets",
+    "host_callbacks",
+    "variadic_reductions",
+    "f64_tensors",
+    "int64_tensors",
+)
+
+# Assumptions of the modelled trn2 step time (all stated in the output):
+TRN2 = {
+    # AWS: a trn2.48xlarge has 16 Trainium2 chips, 20.8 PFLOP/s dense FP8, half that in BF16;
+    # 64 logical NeuronCores at LNC=2.
+    "bf16_flops_per_s_per_core": 20.8e15 / 2 / 64,
+    # the write-up's achieved share of peak (DESIGN.md s8: about 20% at a 4.4 s step)
+    "mfu": 0.20,
+    # NeuronLink-v3 bandwidth the write-up uses for its collective times (1.28 TB/s)
+    "link_bytes_per_s": 1.28e12,
+    "writeup_step_s": 4.4,
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m train.plan", description=__doc__.split("\n")[0])
+    ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    ap.add_argument("--config", default="small", help="model preset or JSON file")
+    ap.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
+    ap.add_argument("--mesh", help="fsdp=N: use N devices (default: all)")
+    ap.add_argument("--devices", type=int, help="simulate N CPU devices (before JAX starts)")
+    ap.add_argument("--hbm-gib", type=float, default=24.0, help="memory budget per device")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    return ap.parse_intermixed_args(argv)
+
+
+def simulate_devices(n: int) -> None:
+    """Ask XLA for n host devices; must happen before JAX initialises its backends."""
+    if "jax" in sys.modules:
+        import jax
+
+        if jax.device_count() != n:
+            raise SystemExit(f"error: --devices {n}: JAX already started with {jax.device_count()}")
+        return
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
+    """Compile every device program of a run of `cfg` (train.config.RunConfigs) on `mesh`."""
+    import jax
+    import jax.numpy as jnp
+
+    from laplace_jax import hlo, muon_accounting
+    from laplace_jax.accounting import parameter_counts, training_flops_per_token
+    from laplace_jax.generate import _decode, _prefill
+    from laplace_jax.model import init_params, init_state
+    from laplace_jax.optim import muon_plan
+    from laplace_jax.sharding import logical_sharding, replicated
+    from train.config import batch_layout
+    from train.main import build_model
+    from train.step import EVAL_BATCH_AXES, TRAIN_BATCH_AXES
+
+    m, n = cfg.model, mesh.size
+    B, A, M = batch_layout(cfg.train, m.seq_len, n)
+    parts = build_model(cfg, mesh)
+    abs_params = parts["abs_params"]
+    tokens = lambda shape, axes: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, jnp.int32, sharding=logical_sharding(mesh, axes) if axes else replicated(mesh)
+    )
+    state = {
+        "params": abs_params,
+        "opt_state": parts["abs_opt"],
+        "bad_streak": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(mesh)),
+    }
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    prompt = min(m.chunk_size, m.seq_len)
+    abs_state = jax.eval_shape(lambda: init_state(m, 1))
+    init = jax.jit(lambda k: init_params(m, k), out_shardings=parts["p_shard"])
+    programs = {
+        "init_params": lambda: init.lower(key),
+        "init_optimizer": lambda: jax.jit(parts["tx"].init, out_shardings=parts["o_shard"]).lower(
+            abs_params
+        ),
+        "train_step": lambda: parts["train_step"].lower(
+            state, tokens((A, M, m.seq_len + 1), TRAIN_BATCH_AXES)
+        ),
+        "eval_step": lambda: parts["eval_step"].lower(
+            abs_params, tokens((M, m.seq_len + 1), EVAL_BATCH_AXES)
+        ),
+        "generate_prefill": lambda: _prefill.lower(m, abs_params, tokens((1, prompt), None)),
+        "generate_decode": lambda: _decode.lower(m, abs_params, tokens((1,), None), abs_state),
+    }
+    report = {}
+    for name, lower in programs.items():
+        t0 = time.perf_counter()
+        compiled = lower().compile()
+        text = compiled.as_text()
+        report[name] = {
+            "compile_s": round(time.perf_counter() - t0, 1),
+            "memory": memory(compiled, hbm_gib),
+            "collectives": hlo.collective_bytes(hlo.collectives(text, n)),
+            "collectives_as_compiled_here": hlo.collective_bytes(
+                hlo.collectives(text, n), target_forms_reduce_scatter=False
+            ),
+            "census": hlo.neuron_census(text),
+        }
+
+    P = parameter_counts(m)["total_params"]
+    muon_received = muon_accounting.bytes_per_device(muon_plan(cfg.optim, abs_params, mesh)) // 2
+    fsdp_micro = 8 * P * (n - 1) // n  # bf16 gathers twice + fp32 reduce-scatter
+    ideal = {"fsdp_per_micro_step": fsdp_micro, "muon_a2a": muon_received}
+    ideal["total"] = A * fsdp_micro + muon_received
+    step = report["train_step"]
+    step_tokens = B * m.seq_len
+    flops = 6 * P * step_tokens
+    compute_s = flops / n / (TRN2["bf16_flops_per_s_per_core"] * TRN2["mfu"])
+    comm_s = step["collectives"]["total"] / TRN2["link_bytes_per_s"]
+    train_gib = step["memory"]["peak"] / GIB
+    headline = {
+        "train_step_gib_per_device": round(train_gib, 3),
+        "train_step_fits_24gib": int(train_gib <= 24.0),
+        "collective_bytes_over_fsdp_ideal": round(step["collectives"]["total"] / ideal["total"], 3),
+        "neuron_census_violations": sum(p["census"]["violations"] for p in report.values()),
+        "modelled_trn2_step_s": round(compute_s + comm_s, 3),
+        "train_flops_per_step": float(flops),
+    }
+    return {
+        "headline": headline,
+        "config": {
+            "model": m.to_dict(),
+            "train": cfg.train.to_dict(),
+            "optim": cfg.optim.to_dict(),
+        },
+        "mesh": dict(mesh.shape),
+        "batch": {"sequences": B, "accum_steps": A, "micro_batch": M, "tokens": step_tokens},
+        "parameters": P,
+        "hbm_gib": hbm_gib,
+        "programs": report,
+        "fsdp_ideal_bytes_received": ideal,
+        "flops": {
+            "six_p_tokens": flops,
+            "with_gla_terms": training_flops_per_token(m) * step_tokens,
+        },
+        "modelled_trn2": {
+            "assumptions": TRN2,
+            "compute_s": compute_s,
+            "collective_s_not_overlapped": comm_s,
+            "step_s": compute_s + comm_s,
+        },
+        "notes": [
+            "compiled for simulated CPU devices with abstract inputs; never run on Trainium",
+            "collective bytes are bytes received per device per program run (rings send as many);"
+            " an all-reduce used only through a dynamic-slice counts as a reduce-scatter",
+        ],
+    }
+
+
+def memory(compiled, hbm_gib: float) -> dict:
+    """Bytes per device from XLA's memory analysis, and the verdict against the budget."""
+    ma = compiled.memory_analysis()
+    out = {
+        "arguments": ma.argument_size_in_bytes,
+        "outputs": ma.output_size_in_bytes,
+        "temporaries": ma.temp_size_in_bytes,
+        "aliased": ma.alias_size_in_bytes,
+    }
+    total = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]
+    out["peak"] = max(getattr(ma, "peak_memory_in_bytes", 0) or 0, total)
+    out["fits"] = out["peak"] <= hbm_gib * GIB
+    return out
+
+
+def print_table(plan: dict) -> None:
+    b, h = plan["batch"], plan["headline"]
+    print(
+        f"mesh {plan['mesh']}; batch {b['sequences']} x {plan['config']['model']['seq_len']} "
+        f"tokens (accum {b['accum_steps']} x micro {b['micro_batch']}); "
+        f"{plan['parameters']:,} parameters; budget {plan['hbm_gib']:g} GiB per device"
+    )
+    head = f"{'program':18s} {'args':>8s} {'temps':>8s} {'peak GiB':>9s} {'fits':>5s}"
+    head += f" {'gather':>9s} {'red-scat':>9s} {'all-red':>9s} {'a2a':>9s} {'census':>7s}"
+    print(head + "   (memory GiB per device; collectives MB received per device)")
+    for name, p in plan["programs"].items():
+        mem, col = p["memory"], p["collectives"]
+        print(
+            f"{name:18s} {mem['arguments'] / GIB:8.2f} {mem['temporaries'] / GIB:8.2f} "
+            f"{mem['peak'] / GIB:9.2f} {'yes' if mem['fits'] else 'NO':>5s} "
+            f"{col['all-gather'] / 1e6:9.1f} {col['reduce-scatter'] / 1e6:9.1f} "
+            f"{col['all-reduce'] / 1e6:9.1f} {col['all-to-all'] / 1e6:9.1f} "
+            f"{p['census']['violations']:7d}"
+        )
+    ideal, model = plan["fsdp_ideal_bytes_received"], plan["modelled_trn2"]
+    print(
+        f"train step collectives {plan['programs']['train_step']['collectives']['total'] / 1e9:.2f}"
+        f" GB vs FSDP ideal {ideal['total'] / 1e9:.2f} GB: "
+        f"{h['collective_bytes_over_fsdp_ideal']:.2f}x"
+    )
+    print(
+        f"training FLOPs per step {h['train_flops_per_step']:.3e}; modelled trn2 step "
+        f"{model['step_s']:.2f} s (compute {model['compute_s']:.2f} s at "
+        f"{model['assumptions']['mfu']:.0%} MFU + collectives "
+        f"{model['collective_s_not_overlapped']:.3f} s, not overlapped; the write-up: "
+        f"{model['assumptions']['writeup_step_s']} s)"
+    )
+    for name, p in plan["programs"].items():
+        c = p["census"]
+        if c["violations"]:
+            bad = {k: c[k] for k in CENSUS_VIOLATIONS if c[k]}
+            print(f"Neuron census, {name}: {bad}")
+    print(f"verdict: the train step {'fits' if h['train_step_fits_24gib'] else 'does NOT fit'} "
+          f"in 24 GiB per device ({h['train_step_gib_per_device']:.2f} GiB)")  # fmt: skip
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.devices:
+        simulate_devices(args.devices)
+    from laplace_jax.sharding import make_mesh
+    from laplace_spec.config import ConfigError
+    from train import config as train_config
+    from train.main import parse_mesh
+
+    try:
+        cfg = train_config.resolve(
+            args.config, args.overrides, {"global_batch_tokens": args.global_batch_tokens}
+        )
+        mesh = make_mesh(parse_mesh(args.mesh))
+        plan = make_plan(cfg, mesh, args.hbm_gib)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan))
+    else:
+        print_table(plan)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
