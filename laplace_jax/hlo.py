@@ -96,6 +96,12 @@ def _bytes(types: str) -> tuple[int, str]:
 
 
 def _group_size(rest: str, n_devices: int) -> int:
+    """Devices in each replica group: `{{0,1,..}}` lists, `[G,S]<=[N]` iota groups, or the mesh
+    form `mesh['axis_0'=4,'axis_1'=2], ... {'axis_0'}` (the product of the named axes)."""
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", rest)
+    if mesh:
+        sizes = dict((a, int(n)) for a, n in re.findall(r"'([\w]+)'=(\d+)", mesh.group(1)))
+        return math.prod(sizes[a] for a in re.findall(r"'([\w]+)'", mesh.group(2)))
     explicit = re.search(r"replica_groups=\{\{([\d,]+)\}", rest)
     if explicit:
         return len(explicit.group(1).split(","))

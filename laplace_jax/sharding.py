@@ -4,10 +4,13 @@ The model tags every parameter with logical axes (`("embed", "mlp")`), and the t
 the axes of its batches (`("accum", "batch", "length")`); this module alone decides where they
 go. Changing the parallelism changes `LOGICAL_RULES`, never the model or the trainer.
 
-FSDP over one mesh axis `fsdp`: the first axis of every matrix is split over the devices (so
-each Muon matrix is sharded on dim 0 of its stored kernel), and so are a batch's sequences.
-1-D parameters stay replicated. A matrix axis that does not divide by the mesh size cannot be
-split and is replicated instead: `replicated_fallbacks` lists those, and the trainer prints them.
+FSDP over mesh axis `fsdp`: the first axis of every matrix is split over the devices (so each
+Muon matrix is sharded on dim 0 of its stored kernel), and so are a batch's sequences. Beyond one
+instance a 2-D mesh `data x fsdp` adds data parallelism: parameters stay FSDP-sharded inside each
+`fsdp` group (the large gathers stay on the fast links) and replicated across `data`, while a
+batch is split over both axes. 1-D parameters stay replicated. A matrix axis that does not
+divide by the mesh size cannot be split and is replicated instead: `replicated_fallbacks` lists
+those, and the trainer prints them.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ from laplace_jax.model import abstract_params, param_logical_axes
 from laplace_spec.config import LaplaceConfig
 
 FSDP = "fsdp"
+DATA = "data"
 
-# (logical axis, mesh axis or None). A logical axis takes its mesh axis only if that mesh axis is
-# not already used by an earlier dimension of the same array and divides the dimension.
-LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
+# (logical axis, mesh axes). A logical axis takes the mesh axes of its rule that the mesh has,
+# that no earlier dimension of the same array uses, and whose sizes together divide it.
+LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # batches
-    ("batch", FSDP),  # the sequences of a (micro-)batch
+    ("batch", (DATA, FSDP)),  # the sequences of a (micro-)batch: over every device
     ("accum", None),  # gradient-accumulation steps of a global batch
     ("length", None),  # the tokens of a sequence
     # parameters: the first axis of every matrix
@@ -46,13 +50,18 @@ LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
 )
 
 
-def make_mesh(n_devices: int | None = None, devices=None) -> Mesh:
-    """A 1-D mesh with axis `fsdp` over the first `n_devices` devices (default: all)."""
+def make_mesh(n_devices: int | None = None, devices=None, data: int = 1) -> Mesh:
+    """A mesh over the first `n_devices` devices (default: all): 1-D (`fsdp`), or with `data` > 1
+    2-D (`data`, `fsdp`) of data x n_devices / data (FSDP inside each row of devices)."""
     devices = jax.devices() if devices is None else devices
     n = len(devices) if n_devices is None else n_devices
     if not 1 <= n <= len(devices):
         raise ValueError(f"mesh of {n} devices requested, {len(devices)} available")
-    return Mesh(np.asarray(devices[:n]), (FSDP,))
+    if data < 1 or n % data:
+        raise ValueError(f"data={data} must divide the {n} devices of the mesh")
+    if data == 1:
+        return Mesh(np.asarray(devices[:n]), (FSDP,))
+    return Mesh(np.asarray(devices[:n]).reshape(data, n // data), (DATA, FSDP))
 
 
 def logical_to_spec(
@@ -60,7 +69,7 @@ def logical_to_spec(
 ) -> PartitionSpec:
     """Resolve one array's logical axes to a PartitionSpec under `rules`.
 
-    With a `shape`, an axis that does not divide by its mesh axis stays whole (replicated);
+    With a `shape`, an axis that does not divide by its mesh axes stays whole (replicated);
     without one (batches, whose sizes the trainer checks), the rule applies as written.
     """
     table = dict(rules)
@@ -69,11 +78,12 @@ def logical_to_spec(
     for i, name in enumerate(axes):
         if name not in table:
             raise KeyError(f"logical axis {name!r} has no rule in the sharding table")
-        mesh_axis = table[name]
-        divides = shape is None or shape[i] % mesh.shape.get(mesh_axis, 1) == 0
-        if mesh_axis is not None and mesh_axis not in used and divides:
-            used.add(mesh_axis)
-            spec.append(mesh_axis)
+        wanted = table[name] if isinstance(table[name], tuple) else (table[name],)
+        mesh_axes = tuple(a for a in wanted if a in mesh.shape and a not in used)
+        size = int(np.prod([mesh.shape[a] for a in mesh_axes]))
+        if mesh_axes and (shape is None or shape[i] % size == 0):
+            used.update(mesh_axes)
+            spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
         else:
             spec.append(None)
     return PartitionSpec(*spec)
@@ -136,15 +146,18 @@ def replicated_fallbacks(config: LaplaceConfig, mesh: Mesh, rules=LOGICAL_RULES)
     shapes = traverse_util.flatten_dict(abstract_params(config), sep="/")
     axes = traverse_util.flatten_dict(param_logical_axes(config), sep="/")
     specs = traverse_util.flatten_dict(param_specs(config, mesh, rules), sep="/")
+
+    def mesh_axes(rule):
+        return {a for a in (rule if isinstance(rule, tuple) else (rule,)) if a in mesh.shape}
+
     out = []
     for path, names in axes.items():
-        wanted = {table[a] for a in names} - {None}
-        taken = set(specs[path]) - {None}
+        wanted = set().union(*(mesh_axes(table[a]) for a in names))
+        taken = set().union(*(mesh_axes(e) for e in specs[path] if e is not None))
         for mesh_axis in sorted(wanted - taken):
+            shape = shapes[path].shape
             sizes = [
-                s for a, s in zip(names, shapes[path].shape, strict=True) if table[a] == mesh_axis
+                s for a, s in zip(names, shape, strict=True) if mesh_axis in mesh_axes(table[a])
             ]
-            out.append(
-                f"{path} {list(shapes[path].shape)}: {sizes} on {mesh_axis}={mesh.shape[mesh_axis]}"
-            )
+            out.append(f"{path} {list(shape)}: {sizes} on {mesh_axis}={mesh.shape[mesh_axis]}")
     return out

@@ -152,6 +152,7 @@ def test_plan_of_the_tiny_trainer(tiny_plan):
     # FSDP ideal: 8 P 7/8 per micro-step, twice, plus Muon's a2a (received half of sent+received)
     ideal = plan["fsdp_ideal_bytes_received"]
     assert ideal["fsdp_per_micro_step"] == 8 * P * 7 // 8
+    assert ideal["data_parallel"] == 0  # a 1-D mesh
     assert ideal["total"] == 2 * ideal["fsdp_per_micro_step"] + ideal["muon_a2a"]
     assert step["collectives"]["all-to-all"] == ideal["muon_a2a"]  # Muon's two all_to_alls
     assert step["collectives"]["total"] > 0
@@ -177,3 +178,31 @@ def test_greedy_token_is_argmax_without_a_variadic_reduce():
     assert np.array_equal(greedy_token(jnp.asarray(logits)), np.argmax(logits, -1))
     census = hlo.neuron_census(_compiled_text(greedy_token, jnp.asarray(logits)))
     assert census["variadic_reductions"] == 0 and census["violations"] == 0
+
+
+def test_plan_on_a_2d_mesh():
+    """data=2 x fsdp=4: FSDP groups of 4 (gathers of 3/4), the gradient shard all-reduced
+    across the 2 data rows, the batch over all 8 devices."""
+    cfg = train_plan_resolve("tiny", ["global_batch_tokens=512"])
+    from train.main import mesh_from_flag
+
+    plan = train_plan.make_plan(cfg, mesh_from_flag("data=2,fsdp=4"))
+    assert plan["mesh"] == {"data": 2, FSDP: 4}
+    P = plan["parameters"]
+    ideal = plan["fsdp_ideal_bytes_received"]
+    assert ideal["fsdp_per_micro_step"] == 8 * P * 3 // 4
+    assert ideal["data_parallel"] == 2 * (4 * P // 4) // 2
+    step = plan["programs"]["train_step"]
+    assert step["census"]["violations"] == 0 and step["collectives"]["total"] > 0
+
+
+def test_replica_group_sizes_in_every_hlo_format():
+    """The three ways XLA writes replica groups (lines as XLA:CPU prints them for a 2 x 4 mesh)."""
+    mesh_form = (
+        "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) "
+        "{'axis_0'}, dimensions={0}"
+    )
+    assert hlo._group_size(mesh_form, 8) == 4
+    assert hlo._group_size("replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, x", 8) == 8
+    assert hlo._group_size("replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}", 8) == 2
+    assert hlo._group_size("replica_groups=[2,4]<=[8], dimensions={0}", 8) == 4

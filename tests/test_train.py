@@ -502,32 +502,44 @@ def test_nan_guard_in_the_step_keeps_the_state_with_rbg_keys():
     assert all(jax.tree.leaves(changed))
 
 
-def test_fsdp_step_on_8_devices_equals_the_1_device_step():
-    """Same losses to 1e-6 and parameters after two steps to 5e-5, against updates of ~1e-2.
+def test_fsdp_and_2d_mesh_steps_equal_the_1_device_step():
+    """1 device, FSDP over 8, and data=2 x fsdp=4 (parameters sharded over 4, replicated over 2;
+    the batch over all 8): the same losses to 1e-6 and parameters after two steps to 5e-5,
+    against updates of ~1e-2.
 
-    The reduction order differs between 1 and 8 devices; AdamW's first steps divide gradients by
-    their own magnitude, which turns fp32 rounding of near-zero gradients into ~1e-5 changes.
+    The reduction order differs between meshes; AdamW's first steps divide gradients by their
+    own magnitude, which turns fp32 rounding of near-zero gradients into ~1e-5 changes.
     """
     host = _host(init_params(CFG, jax.random.key(1)))
     rng = np.random.default_rng(1)
     batches = [rng.integers(0, 256, (1, 8, CFG.seq_len + 1)).astype(np.int32) for _ in range(2)]
     results = []
-    for n in (1, 8):
-        mesh = make_mesh(n)
+    for n, data in ((1, 1), (8, 1), (8, 2)):
+        mesh = make_mesh(n, data=data)
         tx, ps, os_, step = _step_setup(mesh)
         state = _state(tx, ps, os_, host, mesh)
         losses = []
         for b in batches:
             state, m = step(state, b)
             losses.append(float(m["loss"]))
-        emb = state["params"]["layer_0"]["w12"]["kernel"]
-        assert len(emb.sharding.device_set) == n
+        w12 = state["params"]["layer_0"]["w12"]["kernel"]
+        assert len(w12.sharding.device_set) == n
+        assert w12.addressable_shards[0].data.shape[0] == CFG.d_model // (n // data)
         results.append((losses, _host(state["params"])))
-    (l1, p1), (l8, p8) = results
-    np.testing.assert_allclose(l8, l1, rtol=1e-6)
+    (l1, p1), *others = results
     moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), p1, host)
     assert min(jax.tree.leaves(moved)) > 1e-4  # the step really changed every parameter
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=5e-5), p8, p1)
+    for losses, params in others:
+        np.testing.assert_allclose(losses, l1, rtol=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=5e-5), params, p1)
+
+
+def test_mesh_flag():
+    assert dict(train_main.mesh_from_flag("fsdp=4").shape) == {"fsdp": 4}
+    assert dict(train_main.mesh_from_flag("data=2,fsdp=4").shape) == {"data": 2, "fsdp": 4}
+    for bad in ("fsdp=x", "data=2", "tp=2,fsdp=4", "data=3,fsdp=3"):
+        with pytest.raises(ConfigError):
+            train_main.mesh_from_flag(bad)
 
 
 def test_gradient_accumulation_equals_one_big_batch():

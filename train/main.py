@@ -49,7 +49,12 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from laplace_jax.sharding import FSDP, abstract_with_shardings, logical_sharding  # noqa: E402
+from laplace_jax.sharding import (  # noqa: E402
+    DATA,
+    FSDP,
+    abstract_with_shardings,
+    logical_sharding,
+)
 from laplace_spec.config import ConfigError  # noqa: E402
 from train import config as train_config  # noqa: E402
 from train.checkpoint import (  # noqa: E402
@@ -80,7 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokenizer", help="tokenizer.json of --data (for the sample, copied to run)")
     ap.add_argument("--steps", type=int, help="train until this step")
     ap.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
-    ap.add_argument("--mesh", help=f"{FSDP}=N: use N devices (default: all)")
+    ap.add_argument(
+        "--mesh", help=f"{FSDP}=N (N devices) or {DATA}=D,{FSDP}=F (default: all, {FSDP})"
+    )
     ap.add_argument("--run-dir", default="runs/default", help="run directory")
     ap.add_argument("--ckpt-dir", help="checkpoint directory (default: RUN_DIR/checkpoints)")
     ap.add_argument("--ckpt-every", type=int, help="steps between checkpoints")
@@ -103,13 +110,30 @@ def resolve_configs(args) -> RunConfigs:
     )
 
 
-def parse_mesh(spec: str | None) -> int | None:
+def mesh_from_flag(spec: str | None):
+    """`--mesh fsdp=F` or `--mesh data=D,fsdp=F` (D x F devices); default: every device, FSDP."""
+    from laplace_jax.sharding import make_mesh
+
     if spec is None:
-        return None
-    key, sep, value = spec.partition("=")
-    if key != FSDP or not sep or not value.isdigit():
-        raise ConfigError(f"--mesh expects {FSDP}=N, got {spec!r}")
-    return int(value)
+        return make_mesh()
+    sizes: dict[str, int] = {}
+    for part in spec.split(","):
+        key, sep, value = part.strip().partition("=")
+        if key not in (DATA, FSDP) or not sep or not value.isdigit() or key in sizes:
+            raise ConfigError(f"--mesh expects {FSDP}=N or {DATA}=D,{FSDP}=F, got {spec!r}")
+        sizes[key] = int(value)
+    if FSDP not in sizes:
+        raise ConfigError(f"--mesh needs {FSDP}=F, got {spec!r}")
+    data = sizes.get(DATA, 1)
+    try:
+        return make_mesh(data * sizes[FSDP], data=data)
+    except ValueError as e:
+        raise ConfigError(f"--mesh {spec}: {e}") from e
+
+
+def mesh_text(mesh) -> str:
+    """`fsdp=8`, or `data=2 x fsdp=4`."""
+    return " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
 
 
 def maybe_initialize_distributed(force: bool) -> None:
@@ -178,7 +202,7 @@ def set_up(args) -> Trainer:
     if jax.default_backend() == "neuron":
         jax.config.update("jax_default_prng_impl", "rbg")  # Threefry is not fully supported
     from laplace_jax.accounting import training_flops_per_token
-    from laplace_jax.sharding import make_mesh, replicated_fallbacks
+    from laplace_jax.sharding import replicated_fallbacks
     from train.step import measure_matmul_flops
 
     cfg = resolve_configs(args)
@@ -187,7 +211,7 @@ def set_up(args) -> Trainer:
     run_dir = Path(args.run_dir)
     ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else run_dir / "checkpoints"
     train_paths, val_paths, tokenizer_src = open_data(args, cfg.model, main_proc)
-    mesh = make_mesh(parse_mesh(args.mesh))
+    mesh = mesh_from_flag(args.mesh)
     layout = batch_layout(cfg.train, cfg.model.seq_len, mesh.size, jax.process_count())
     batches, val_batches, train_tokens = build_pipeline(cfg, layout, train_paths, val_paths)
     parts = build_model(cfg, mesh)
@@ -211,7 +235,7 @@ def set_up(args) -> Trainer:
         )
     fallbacks = replicated_fallbacks(cfg.model, mesh)
     if fallbacks:
-        notes.append(replication_notice(fallbacks, mesh.size))
+        notes.append(replication_notice(fallbacks, mesh.shape[FSDP]))
     t = Trainer(
         cfg=cfg, mesh=mesh, say=say, main_proc=main_proc, ckpt_dir=ckpt_dir, layout=layout,
         batches=batches, val_batches=val_batches, tokenizer_src=tokenizer_src,
@@ -356,7 +380,7 @@ def write_run_files(args, cfg, run_dir, tokenizer_src, mesh, layout, data: dict)
         "data": data,
         "tokenizer": tokenizer_ref,
         "tokenizer_source": str(tokenizer_src) if tokenizer_src else None,
-        "mesh": {FSDP: mesh.size},
+        "mesh": dict(mesh.shape),
         "processes": jax.process_count(),
         "batch": {"sequences": B, "accum_steps": A, "micro_batch": M},
     }
@@ -387,7 +411,7 @@ def announce(t: Trainer, name: str, train_tokens: int, notes: list[str]) -> None
     t.say(
         f"model {name}: {m.d_model}d x {m.n_layers}L, "
         f"{parameter_counts(m)['total_params'] / 1e6:.1f}M params; "
-        f"mesh {FSDP}={t.mesh.size} ({jax.default_backend()}); "
+        f"mesh {mesh_text(t.mesh)} ({jax.default_backend()}); "
         f"batch {B} x {m.seq_len} tokens (accum {A} x micro {M}); "
         f"{train_tokens:,} training tokens; matmul peak {t.peak / 1e9:.1f} GFLOP/s"
     )

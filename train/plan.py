@@ -19,7 +19,9 @@ decode) it reports:
 
 For the train step it adds the FSDP ideal (DESIGN.md s8: weights gathered in bf16 for the forward
 and again for the rematerialised backward, gradients reduce-scattered in fp32: 8 P (n-1)/n bytes
-per micro-step, plus Muon's two all_to_alls once per step; all counted as bytes received), the
+per micro-step over an `fsdp` group of n, plus on a `data x fsdp` mesh the all-reduce of each
+fp32 gradient shard across `data` once per step, plus Muon's two all_to_alls once per step; all
+counted as bytes received), the
 training FLOPs per step (6 x parameters x tokens, the write-up's count), and a modelled trn2 step
 time from stated assumptions (`TRN2`). Compiled here, on XLA:CPU: what the Neuron compiler makes
 of the same program (fusion, memory planning) can differ; nothing here ran on Trainium.
@@ -62,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     ap.add_argument("--config", default="small", help="model preset or JSON file")
     ap.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
-    ap.add_argument("--mesh", help="fsdp=N: use N devices (default: all)")
+    ap.add_argument("--mesh", help="fsdp=N or data=D,fsdp=F (default: all devices, fsdp)")
     ap.add_argument("--devices", type=int, help="simulate N CPU devices (before JAX starts)")
     ap.add_argument("--hbm-gib", type=float, default=24.0, help="memory budget per device")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -92,7 +94,7 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
     from laplace_jax.generate import _decode, _prefill
     from laplace_jax.model import init_params, init_state
     from laplace_jax.optim import muon_plan
-    from laplace_jax.sharding import logical_sharding, replicated
+    from laplace_jax.sharding import DATA, FSDP, logical_sharding, replicated
     from train.config import batch_layout
     from train.main import build_model
     from train.step import EVAL_BATCH_AXES, TRAIN_BATCH_AXES
@@ -143,10 +145,13 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
         }
 
     P = parameter_counts(m)["total_params"]
+    f, d = mesh.shape[FSDP], mesh.shape.get(DATA, 1)
     muon_received = muon_accounting.bytes_per_device(muon_plan(cfg.optim, abs_params, mesh)) // 2
-    fsdp_micro = 8 * P * (n - 1) // n  # bf16 gathers twice + fp32 reduce-scatter
-    ideal = {"fsdp_per_micro_step": fsdp_micro, "muon_a2a": muon_received}
-    ideal["total"] = A * fsdp_micro + muon_received
+    fsdp_micro = 8 * P * (f - 1) // f  # bf16 gathers twice + fp32 reduce-scatter, in a group
+    data_step = 2 * (4 * P // f) * (d - 1) // d  # all-reduce of the fp32 gradient shard
+    ideal = {"fsdp_per_micro_step": fsdp_micro, "data_parallel": data_step}
+    ideal["muon_a2a"] = muon_received
+    ideal["total"] = A * fsdp_micro + data_step + muon_received
     step = report["train_step"]
     step_tokens = B * m.seq_len
     flops = 6 * P * step_tokens
@@ -252,16 +257,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.devices:
         simulate_devices(args.devices)
-    from laplace_jax.sharding import make_mesh
     from laplace_spec.config import ConfigError
     from train import config as train_config
-    from train.main import parse_mesh
+    from train.main import mesh_from_flag
 
     try:
         cfg = train_config.resolve(
             args.config, args.overrides, {"global_batch_tokens": args.global_batch_tokens}
         )
-        mesh = make_mesh(parse_mesh(args.mesh))
+        mesh = mesh_from_flag(args.mesh)
         plan = make_plan(cfg, mesh, args.hbm_gib)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
