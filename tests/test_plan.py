@@ -206,3 +206,23 @@ def test_replica_group_sizes_in_every_hlo_format():
     assert hlo._group_size("replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, x", 8) == 8
     assert hlo._group_size("replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}", 8) == 2
     assert hlo._group_size("replica_groups=[2,4]<=[8], dimensions={0}", 8) == 4
+
+
+@pytest.mark.parametrize("unroll", [True, False])
+def test_small_preset_programs_are_neuron_clean_and_unroll_leaves_only_the_accumulation(unroll):
+    """DESIGN.md s1 on every program the trainer compiles for `small` on 8 devices, with 2
+    accumulation steps: no conditionals, callbacks, variadic reductions, f64 or data-dependent
+    loops; with scan_unroll the chunk scan leaves no loop, only the accumulation's (2 trips).
+    Parameter init is the exception: threefry keeps 64-bit counters (Neuron runs use rbg and
+    initialise on the host)."""
+    overrides = ["global_batch_tokens=8192", "micro_batch_size=8", f"scan_unroll={unroll}"]
+    plan = train_plan.make_plan(train_plan_resolve("small", overrides), make_mesh(8))
+    for name, program in plan["programs"].items():
+        if name != "init_params":
+            assert program["census"]["violations"] == 0, (name, program["census"])
+    loops = plan["programs"]["train_step"]["census"]["while_trip_counts"]
+    chunks = get_config("small").n_chunks  # 8 chunks of 64 at seq_len 512
+    if unroll:
+        assert loops == [2]
+    else:
+        assert 2 in loops and chunks in loops
