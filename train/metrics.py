@@ -51,7 +51,7 @@ class Metrics:
 
 def _supersede_after(path: Path, start: int) -> int:
     """Move the lines of `path` after step `start` to `<stem>.superseded.jsonl`; their count."""
-    keep, moved = [], []
+    keep, moved = [], []  # lines kept as they are; records moved
     for line in path.read_text().splitlines():
         if not line.strip():
             continue
@@ -60,11 +60,13 @@ def _supersede_after(path: Path, start: int) -> int:
         except json.JSONDecodeError:  # a line cut by a crash
             moved.append({"unparsed": line})
             continue
-        (keep if record.get("step", 0) <= start else moved).append(line)
+        if record.get("step", 0) <= start:
+            keep.append(line)
+        else:
+            moved.append(record)
     if moved:
         with open(path.with_name(path.stem + ".superseded.jsonl"), "a") as f:
-            for item in moved:
-                record = item if isinstance(item, dict) else json.loads(item)
+            for record in moved:
                 f.write(json.dumps({**record, "superseded_at": start}) + "\n")
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in keep))

@@ -134,12 +134,13 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
         t0 = time.perf_counter()
         compiled = lower().compile()
         text = compiled.as_text()
+        collectives = hlo.collectives(text, n)
         report[name] = {
             "compile_s": round(time.perf_counter() - t0, 1),
             "memory": memory(compiled, hbm_gib),
-            "collectives": hlo.collective_bytes(hlo.collectives(text, n)),
+            "collectives": hlo.collective_bytes(collectives),
             "collectives_as_compiled_here": hlo.collective_bytes(
-                hlo.collectives(text, n), target_forms_reduce_scatter=False
+                collectives, target_forms_reduce_scatter=False
             ),
             "census": hlo.neuron_census(text),
         }
