@@ -46,6 +46,8 @@ from laplace_jax.sharding import abstract_with_shardings, make_mesh, param_shard
 from laplace_spec.config import PRESETS  # noqa: E402
 
 TOKENS_PER_STEP = 524_288  # 256 x 2,048 (DESIGN.md s4)
+
+
 def traffic_3b(n: int) -> dict:
     cfg = PRESETS["laplace-3b"]
     mesh = make_mesh(n)
@@ -74,13 +76,15 @@ def traffic_3b(n: int) -> dict:
         plan = muon_plan(opt, abstract, mesh)
         item = jnp.dtype(plan.dtype).itemsize
         moved = sum(2 * c["received"] // hlo.ITEMSIZE[c["dtype"]] for c in colls)  # elements
-        compiled_bytes = sum(2 * c["received"] for c in colls)
+        compiled_bytes = sum(2 * c["received"] * (1 + c["widened_here"]) for c in colls)
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list | tuple) else cost
         out[mode] = {
             "collectives": {k: sum(c["kind"] == k for c in colls) for k in hlo.COLLECTIVE_KINDS},
             "collective_dtypes_in_program": program_dtypes,
-            "collective_dtypes_in_cpu_hlo": sorted({c["dtype"] for c in colls}),
+            "collective_dtypes_in_cpu_hlo": sorted(
+                {"f32" if c["widened_here"] else c["dtype"] for c in colls}
+            ),
             "hlo_bytes_per_device": moved * item,
             "hlo_bytes_per_device_as_compiled_on_cpu": compiled_bytes,
             "analytic_bytes_per_device": muon_accounting.bytes_per_device(plan),

@@ -9,7 +9,9 @@ and reading the optimised HLO text (`jax.jit(f).lower(...).compile().as_text()`)
   `known_trip_count`). XLA:CPU never forms a reduce-scatter: a sharded gradient compiles to an
   all-reduce whose only use is a dynamic-slice of this device's rows, which the GPU, TPU and
   Neuron compilers rewrite into a reduce-scatter. Such a pair is reported as `all-reduce` with
-  `sliced=True`, and `as_reduce_scatter` counts it at the reduce-scatter's bytes.
+  `sliced=True`, and `as_reduce_scatter` counts it at the reduce-scatter's bytes. XLA:CPU also
+  has no bf16 collectives: it moves bf16 data as f32 between two converts; such a collective
+  (every use rounds it back to bf16) is counted at bf16 width, `widened_here=True`.
 - `neuron_census(hlo)`: what the JAX Neuron plugin documents as unsupported or constrained
   (DESIGN.md s1): conditionals, while loops without a static trip count, custom calls and host
   callbacks, variadic reductions (argmax/argmin), sort comparators, f64 and 64-bit integer
@@ -155,6 +157,34 @@ def _elements(name: str, types: str, instrs, comps) -> list[tuple[int, str, bool
     return [(b, t, s) for (b, t), s in zip(sizes, sliced, strict=True)]
 
 
+def _narrowed_by_users(name: str, instrs, comps) -> bool:
+    """Every use of an f32 collective result first rounds it to bf16: a `convert` op, or a fusion
+    whose computation converts its parameter to bf16. That is XLA:CPU widening a bf16 collective
+    (it has none) to f32 around a convert pair; GPU, TPU and Neuron move such data in bf16."""
+    users = _users(name, instrs)
+    if not users:
+        return False
+    for user, op in users:
+        types, rest = next((t, r) for n, t, _, r in instrs if n == user)
+        if op == "convert":
+            if not types.startswith("bf16"):
+                return False
+        elif op in ("get-tuple-element", "bitcast", "copy", "reshape"):  # look through
+            if not _narrowed_by_users(user, instrs, comps):
+                return False
+        elif op == "fusion":
+            fused = comps.get(re.search(r"calls=%?([\w.\-]+)", rest).group(1), [])
+            params = {n for n, _, o, _ in fused if o == "parameter"}
+            if not any(
+                o == "convert" and t.startswith("bf16") and r.split(")")[0].lstrip("%") in params
+                for _, t, o, r in fused
+            ):
+                return False
+        else:
+            return False
+    return True
+
+
 def collectives(hlo: str, n_devices: int) -> list[dict]:
     """Every collective: kind, dtype, result bytes, group size, executions per program run, and
     the bytes one device receives per run of the program (`received`, all executions)."""
@@ -174,6 +204,9 @@ def collectives(hlo: str, n_devices: int) -> list[dict]:
                     out.append(_entry(kind, dtype, size, g, times, received, sliced))
                 continue
             size, dtype = _bytes(types)
+            widened = dtype == "f32" and _narrowed_by_users(name, instrs, comps)
+            if widened:  # a bf16 collective that XLA:CPU moves in f32: count the bf16 bytes
+                size, dtype = size // 2, "bf16"
             if kind == "all-gather":  # result: the whole buffer, 1/g of it was here already
                 received = (g - 1) * size // g
             elif kind == "reduce-scatter":  # result: this device's 1/g of the reduced buffer
@@ -182,11 +215,11 @@ def collectives(hlo: str, n_devices: int) -> list[dict]:
                 received = (g - 1) * size // g
             else:
                 received = size
-            out.append(_entry(kind, dtype, size, g, times, received, False))
+            out.append(_entry(kind, dtype, size, g, times, received, False, widened))
     return out
 
 
-def _entry(kind, dtype, size, group, times, received, sliced) -> dict:
+def _entry(kind, dtype, size, group, times, received, sliced, widened=False) -> dict:
     return {
         "kind": kind,
         "dtype": dtype,
@@ -196,19 +229,23 @@ def _entry(kind, dtype, size, group, times, received, sliced) -> dict:
         "received": received * times,
         "sliced": sliced,  # an all-reduce used only through a dynamic-slice
         "as_reduce_scatter": (received // 2 if sliced else received) * times,
+        "widened_here": widened,  # bf16 data that XLA:CPU moved as f32 (twice the bytes)
     }
 
 
 def collective_bytes(colls: list[dict], target_forms_reduce_scatter: bool = True) -> dict:
-    """Bytes received per device per program run, by kind. With `target_forms_reduce_scatter`,
-    an all-reduce used only through a dynamic-slice counts as the reduce-scatter it becomes on
-    GPU/TPU/Neuron (half the bytes)."""
+    """Bytes received per device per program run, by kind, as GPU/TPU/Neuron move them: an
+    all-reduce used only through a dynamic-slice counts as the reduce-scatter it becomes there
+    (half the bytes), and bf16 data at bf16 width. With `target_forms_reduce_scatter=False`,
+    XLA:CPU's own program: all-reduces as all-reduces, widened bf16 collectives at f32 width."""
     out = {k: 0 for k in COLLECTIVE_KINDS}
     for c in colls:
         if target_forms_reduce_scatter and c["sliced"]:
             out["reduce-scatter"] += c["as_reduce_scatter"]
-        else:
+        elif target_forms_reduce_scatter:
             out[c["kind"]] += c["received"]
+        else:
+            out[c["kind"]] += c["received"] * (2 if c["widened_here"] else 1)
     out["total"] = sum(out[k] for k in COLLECTIVE_KINDS)
     return out
 

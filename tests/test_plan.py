@@ -25,6 +25,7 @@ DESIGN_PLAN_KEYS = {  # DESIGN.md s7
     "modelled_trn2_step_s",
     "train_flops_per_step",
 }
+PLAN_KEYS = DESIGN_PLAN_KEYS | {"train_step_fits_16gib"}  # issue 8's margin
 
 
 def _compiled_text(fn, *args, **jit_kwargs) -> str:
@@ -120,7 +121,7 @@ def train_plan_resolve(preset, overrides):
 
 def test_plan_of_the_tiny_trainer(tiny_plan):
     plan = tiny_plan
-    assert set(plan["headline"]) == DESIGN_PLAN_KEYS
+    assert set(plan["headline"]) == PLAN_KEYS
     assert plan["batch"] == {"sequences": 16, "accum_steps": 2, "micro_batch": 8, "tokens": 1024}
     # parameters counted from the name table's shapes (not the accounting under test)
     P = sum(math.prod(e.jax_shape) for e in names.table(get_config("tiny")))
@@ -149,9 +150,10 @@ def test_plan_of_the_tiny_trainer(tiny_plan):
         assert plan["programs"][name]["census"]["violations"] == 0, name
     # the accumulation loop runs twice: a static trip count the census records
     assert 2 in step["census"]["while_trip_counts"]
-    # FSDP ideal: 8 P 7/8 per micro-step, twice, plus Muon's a2a (received half of sent+received)
+    # FSDP ideal: tiny computes in fp32, so weights are gathered in fp32 twice (2 x 4 bytes) and
+    # gradients reduce-scattered in fp32 (4): 12 P 7/8 per micro-step, twice, plus Muon's a2a
     ideal = plan["fsdp_ideal_bytes_received"]
-    assert ideal["fsdp_per_micro_step"] == 8 * P * 7 // 8
+    assert ideal["fsdp_per_micro_step"] == 12 * P * 7 // 8
     assert ideal["data_parallel"] == 0  # a 1-D mesh
     assert ideal["total"] == 2 * ideal["fsdp_per_micro_step"] + ideal["muon_a2a"]
     assert step["collectives"]["all-to-all"] == ideal["muon_a2a"]  # Muon's two all_to_alls
@@ -164,7 +166,7 @@ def test_plan_cli_prints_json_with_the_headline(capsys):
     )
     assert status == 0
     plan = json.loads(capsys.readouterr().out)
-    assert set(plan["headline"]) == DESIGN_PLAN_KEYS and plan["hbm_gib"] == 16.0
+    assert set(plan["headline"]) == PLAN_KEYS and plan["hbm_gib"] == 16.0
     assert plan["mesh"] == {FSDP: 8}
     assert train_plan.main(["--config", "tiny", "bogus=1"]) == 2
 
@@ -190,7 +192,7 @@ def test_plan_on_a_2d_mesh():
     assert plan["mesh"] == {"data": 2, FSDP: 4}
     P = plan["parameters"]
     ideal = plan["fsdp_ideal_bytes_received"]
-    assert ideal["fsdp_per_micro_step"] == 8 * P * 3 // 4
+    assert ideal["fsdp_per_micro_step"] == 12 * P * 3 // 4  # fp32
     assert ideal["data_parallel"] == 2 * (4 * P // 4) // 2
     step = plan["programs"]["train_step"]
     assert step["census"]["violations"] == 0 and step["collectives"]["total"] > 0
@@ -209,20 +211,58 @@ def test_replica_group_sizes_in_every_hlo_format():
 
 
 @pytest.mark.parametrize("unroll", [True, False])
-def test_small_preset_programs_are_neuron_clean_and_unroll_leaves_only_the_accumulation(unroll):
+def test_small_preset_programs_are_neuron_clean_and_unroll_leaves_no_chunk_loop(unroll):
     """DESIGN.md s1 on every program the trainer compiles for `small` on 8 devices, with 2
-    accumulation steps: no conditionals, callbacks, variadic reductions, f64 or data-dependent
-    loops; with scan_unroll the chunk scan leaves no loop, only the accumulation's (2 trips).
-    Parameter init is the exception: threefry keeps 64-bit counters (Neuron runs use rbg and
-    initialise on the host)."""
-    overrides = ["global_batch_tokens=8192", "micro_batch_size=8", f"scan_unroll={unroll}"]
+    accumulation steps and per-layer remat: no conditionals, callbacks, variadic reductions, f64
+    or data-dependent loops; with scan_unroll the chunk scan leaves no loop, only loops of
+    static trip counts: the accumulation's (2) and the layer scan's (4 layers, forward and
+    backward). Parameter init is the exception: threefry keeps 64-bit counters (Neuron runs use
+    rbg and initialise on the host)."""
+    overrides = [
+        "global_batch_tokens=8192",
+        "micro_batch_size=8",
+        f"scan_unroll={unroll}",
+        "remat=layer",
+    ]
     plan = train_plan.make_plan(train_plan_resolve("small", overrides), make_mesh(8))
     for name, program in plan["programs"].items():
         if name != "init_params":
             assert program["census"]["violations"] == 0, (name, program["census"])
     loops = plan["programs"]["train_step"]["census"]["while_trip_counts"]
-    chunks = get_config("small").n_chunks  # 8 chunks of 64 at seq_len 512
+    small = get_config("small")
+    chunks = small.n_chunks  # 8 chunks of 64 at seq_len 512
+    assert chunks != small.n_layers
     if unroll:
-        assert loops == [2]
+        assert set(loops) == {2, small.n_layers}
     else:
-        assert 2 in loops and chunks in loops
+        assert {2, small.n_layers, chunks} <= set(loops)
+
+
+def test_a_bf16_gather_that_xla_cpu_widens_counts_at_bf16_width():
+    """XLA:CPU has no bf16 collectives: it gathers bf16 data as f32 between two converts. The
+    reader counts the bf16 bytes a GPU/TPU/Neuron moves, and the f32 bytes as compiled here."""
+    mesh = make_mesh(8)
+    spec = PartitionSpec(FSDP)
+
+    def body(x):  # [4, 16] f32 rows -> gathered in bf16 -> [32, 16]
+        return jax.lax.all_gather(x.astype(jnp.bfloat16), FSDP, tiled=True)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=PartitionSpec(), check_vma=False)
+    x = jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=NamedSharding(mesh, spec))
+    colls = hlo.collectives(_compiled_text(fn, x), 8)
+    bf16_bytes = 32 * 16 * 2 * 7 // 8
+    assert hlo.collective_bytes(colls)["all-gather"] == bf16_bytes
+    here = hlo.collective_bytes(colls, target_forms_reduce_scatter=False)["all-gather"]
+    assert here in (bf16_bytes, 2 * bf16_bytes)  # 2x where XLA:CPU widened it
+    assert [c["dtype"] for c in colls] == ["bf16"]
+
+
+def test_remat_lowers_the_step_memory_of_the_small_preset():
+    """Per-layer remat keeps each layer's input, not its activations: the small preset's train
+    step on 8 devices (micro-batch 8, seq 512) needs fewer temporaries than without."""
+    temps = {}
+    for remat in ("none", "layer"):
+        cfg = train_plan_resolve("small", ["global_batch_tokens=4096", f"remat={remat}"])
+        step = train_plan.make_plan(cfg, make_mesh(8))["programs"]["train_step"]
+        temps[remat] = step["memory"]["temporaries"]
+    assert temps["layer"] < 0.8 * temps["none"], temps

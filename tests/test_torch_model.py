@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from bench.fla_reference import load_fla_naive
-from laplace_spec.config import PRESETS, ConfigError
+from laplace_spec.config import PRESETS, ConfigError, LaplaceConfig
 from serve.configuration_laplace import LaplaceHFConfig
 from serve.generation import DecodeRunner, greedy_generate, prefill
 from serve.kernels import gla_chunked, gla_recurrent, gla_step
@@ -99,7 +99,8 @@ def test_full_forward_equals_prefill_plus_decode(model):
 
 def test_hf_config_is_laplace_spec():
     """Fields, defaults and validation of the HF config are laplace_spec's dataclass's."""
-    assert LaplaceHFConfig().laplace_config == PRESETS["laplace-3b"]
+    assert LaplaceHFConfig().laplace_config == LaplaceConfig()  # 3B's shape, fp32 compute
+    assert PRESETS["laplace-3b"] == LaplaceConfig(compute_dtype="bfloat16")
     hf = LaplaceHFConfig(**{**TINY.to_dict(), "t_max": 64})  # JSON ints for floats are accepted
     assert hf.laplace_config == TINY and hf.num_attention_heads == TINY.n_heads
     with pytest.raises(ConfigError, match="d_model"):

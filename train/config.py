@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from laplace_jax import optim
+from laplace_jax.fsdp import REMAT_POLICIES
 from laplace_spec.config import PRESETS, ConfigError, LaplaceConfig, get_config, parse_overrides
 
 
@@ -32,7 +33,12 @@ class TrainConfig:
     grad_clip: float = 1.0  # clip the global gradient norm; 0 = off
     max_bad_steps: int = 5  # stop after this many non-finite steps in a row
     scan_unroll: bool = False  # static unroll of the GLA chunk scan (set on Neuron)
+    remat: str = "none"  # what the backward recomputes: none | layer | dots (fsdp.REMAT_POLICIES)
     peak_flops: float = 0.0  # MFU denominator in FLOP/s; 0 = measure the matmul rate now
+    # (on Neuron: 0 = the peak table of train/neuron.py)
+    # initialise parameters on the host CPU, then place the shards (Neuron: RNG init compiles
+    # slowly on the device)
+    init_on_host: bool = False
     sample_tokens: int = 48  # greedy tokens printed at the end; 0 = none
     sample_prompt: str = "def "  # prompt of that sample
 
@@ -44,6 +50,8 @@ class TrainConfig:
         for name in ("steps", "global_batch_tokens", "log_every", "keep_checkpoints"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.remat not in REMAT_POLICIES:
+            raise ConfigError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {self.remat!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -65,6 +73,7 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
         eval_batches=8,
         ckpt_every=1_000,
         sample_tokens=64,
+        remat="layer",  # one layer's activations and weights at a time (DESIGN.md s8)
     ),
 }
 

@@ -212,6 +212,7 @@ def set_up(args) -> Trainer:
     ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else run_dir / "checkpoints"
     train_paths, val_paths, tokenizer_src = open_data(args, cfg.model, main_proc)
     mesh = mesh_from_flag(args.mesh)
+    cfg = with_table_peak(cfg, mesh)
     layout = batch_layout(cfg.train, cfg.model.seq_len, mesh.size, jax.process_count())
     batches, val_batches, train_tokens = build_pipeline(cfg, layout, train_paths, val_paths)
     parts = build_model(cfg, mesh)
@@ -246,6 +247,30 @@ def set_up(args) -> Trainer:
     )  # fmt: skip
     announce(t, args.config, train_tokens, [*cfg.notices, *notes])
     return t
+
+
+def with_table_peak(cfg: RunConfigs, mesh) -> RunConfigs:
+    """On Neuron with `peak_flops=0`: the mesh's peak from the table in train/neuron.py (the
+    matmul probe would time the compiled fp32 matmul, not the bf16 peak), with a note line.
+    Elsewhere, or for a device kind the table lacks (noted), the probe stays."""
+    from train.neuron import DEVICE_KINDS, mesh_peak_flops
+
+    device = mesh.devices.flat[0]
+    if cfg.train.peak_flops or device.platform != "neuron":
+        return cfg
+    peak = mesh_peak_flops(mesh)
+    if peak is None:
+        note = (
+            f"note: Neuron device kind {device.device_kind!r} is not in the peak table "
+            f"({', '.join(DEVICE_KINDS)}): MFU uses a measured matmul rate; set peak_flops=F"
+        )
+        return dataclasses.replace(cfg, notices=(*cfg.notices, note))
+    note = (
+        f"note: peak_flops={peak:.4g} FLOP/s (the MFU denominator): {mesh.size} x "
+        f"{device.device_kind} from the Neuron peak table (train/neuron.py); set peak_flops=F"
+    )
+    train = dataclasses.replace(cfg.train, peak_flops=peak)
+    return dataclasses.replace(cfg, train=train, notices=(*cfg.notices, note))
 
 
 def restart_aside(run_dir: Path, ckpt_dir: Path, say) -> None:
@@ -317,7 +342,14 @@ def build_model(cfg: RunConfigs, mesh) -> dict[str, Any]:
     tx, lr_schedule, o_shard = train_config.build_optimizer(cfg.optim, abs_params, p_shard, mesh)
     abs_opt = abstract_with_shardings(jax.eval_shape(tx.init, abs_params), o_shard)
     train_step, state_shard = make_train_step(
-        model, tx, mesh, p_shard, o_shard, cfg.train.grad_clip, lr_schedule=lr_schedule
+        model,
+        tx,
+        mesh,
+        p_shard,
+        o_shard,
+        cfg.train.grad_clip,
+        lr_schedule=lr_schedule,
+        remat=cfg.train.remat,
     )
     return {
         "tx": tx,
@@ -356,12 +388,43 @@ def restore_or_init(cfg: RunConfigs, parts, ckpt: Checkpointer, batches):
         notes.append(f"resumed from {ckpt.directory / str(start)} at step {start}")
     else:
         start = 0
-        key = jax.random.key(cfg.train.seed)
-        init = jax.jit(lambda k: init_params(cfg.model, k), out_shardings=parts["p_shard"])
-        params = init(key)
+        if cfg.train.init_on_host:
+            params = init_params_on_host(cfg.model, cfg.train.seed, parts["p_shard"])
+        else:
+            key = jax.random.key(cfg.train.seed)
+            init = jax.jit(lambda k: init_params(cfg.model, k), out_shardings=parts["p_shard"])
+            params = init(key)
         opt_state = jax.jit(parts["tx"].init, out_shardings=parts["o_shard"])(params)
     bad_streak = jax.device_put(jnp.zeros((), jnp.int32), parts["state_shard"]["bad_streak"])
     return {"params": params, "opt_state": opt_state, "bad_streak": bad_streak}, start, notes
+
+
+def init_params_on_host(model_cfg, seed: int, shardings) -> dict:
+    """`init_on_host=true`: the parameters initialised by a jitted function on the host CPU, then
+    placed onto `shardings`; each process places only its addressable shards (with
+    `jax.make_array_from_callback`), so it works with several processes.
+
+    With the same seed and PRNG implementation these are the bits the on-device init gives on
+    CPU (the Threefry keys are partitionable, so sharding does not change the numbers). On
+    Neuron (rbg keys) the numbers are the host's: RngBitGenerator's bits are backend-defined.
+    """
+    from laplace_jax.model import init_params
+
+    try:
+        cpu = jax.local_devices(backend="cpu")[0]
+    except RuntimeError as e:
+        raise ConfigError(
+            f"init_on_host=true needs JAX's CPU backend ({e}); include cpu in JAX_PLATFORMS, "
+            "e.g. JAX_PLATFORMS=neuron,cpu, or set init_on_host=false"
+        ) from e
+    with jax.default_device(cpu):
+        key = jax.device_put(jax.random.key(seed), cpu)
+        host = jax.device_get(jax.jit(lambda k: init_params(model_cfg, k))(key))
+    return jax.tree.map(
+        lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]),
+        host,
+        shardings,
+    )
 
 
 def write_run_files(args, cfg, run_dir, tokenizer_src, mesh, layout, data: dict):

@@ -17,13 +17,13 @@ decode) it reports:
 - a Neuron census (conditionals, loops without a static trip count, custom calls and host
   callbacks, variadic reductions, sort comparators, f64/int64 tensors, RNG algorithm).
 
-For the train step it adds the FSDP ideal (DESIGN.md s8: weights gathered in bf16 for the forward
-and again for the rematerialised backward, gradients reduce-scattered in fp32: 8 P (n-1)/n bytes
-per micro-step over an `fsdp` group of n, plus on a `data x fsdp` mesh the all-reduce of each
-fp32 gradient shard across `data` once per step, plus Muon's two all_to_alls once per step; all
-counted as bytes received), the
-training FLOPs per step (6 x parameters x tokens, the write-up's count), and a modelled trn2 step
-time from stated assumptions (`TRN2`). Compiled here, on XLA:CPU: what the Neuron compiler makes
+For the train step it adds the FSDP ideal (DESIGN.md s8: weights gathered in the compute dtype
+for the forward and again for the rematerialised backward, gradients reduce-scattered in fp32:
+8 P (n-1)/n bytes per micro-step in bf16, 12 P (n-1)/n in fp32, over an `fsdp` group of n,
+plus on a `data x fsdp` mesh the all-reduce of each fp32 gradient shard across `data` once per
+step, plus Muon's two all_to_alls once per step; all counted as bytes received), the training
+FLOPs per step (6 x parameters x tokens, the write-up's count), and a modelled trn2 step time
+from stated assumptions (`TRN2`). Compiled here, on XLA:CPU: what the Neuron compiler makes
 of the same program (fusion, memory planning) can differ; nothing here ran on Trainium.
 """
 
@@ -34,6 +34,8 @@ import json
 import os
 import sys
 import time
+
+from train.neuron import PEAK_FLOPS
 
 GIB = 1024**3
 CENSUS_VIOLATIONS = (
@@ -48,9 +50,9 @@ CENSUS_VIOLATIONS = (
 
 # Assumptions of the modelled trn2 step time (all stated in the output):
 TRN2 = {
-    # AWS: a trn2.48xlarge has 16 Trainium2 chips, 20.8 PFLOP/s dense FP8, half that in BF16;
-    # 64 logical NeuronCores at LNC=2.
-    "bf16_flops_per_s_per_core": 20.8e15 / 2 / 64,
+    # peak dense bf16 of a logical NeuronCore at LNC=2 (train/neuron.py's table and sources:
+    # 667 TFLOP/s per Trainium2 chip, 4 logical cores each; 64 on a trn2.48xlarge)
+    "bf16_flops_per_s_per_core": PEAK_FLOPS["trn2-lnc2"],
     # the write-up's achieved share of peak (DESIGN.md s8: about 20% at a 4.4 s step)
     "mfu": 0.20,
     # NeuronLink-v3 bandwidth the write-up uses for its collective times (1.28 TB/s)
@@ -148,7 +150,8 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
     P = parameter_counts(m)["total_params"]
     f, d = mesh.shape[FSDP], mesh.shape.get(DATA, 1)
     muon_received = muon_accounting.bytes_per_device(muon_plan(cfg.optim, abs_params, mesh)) // 2
-    fsdp_micro = 8 * P * (f - 1) // f  # bf16 gathers twice + fp32 reduce-scatter, in a group
+    gathered = jnp.dtype(m.compute_dtype).itemsize  # weights travel in the compute dtype
+    fsdp_micro = (2 * gathered + 4) * P * (f - 1) // f  # gathers twice + fp32 reduce-scatter
     data_step = 2 * (4 * P // f) * (d - 1) // d  # all-reduce of the fp32 gradient shard
     ideal = {"fsdp_per_micro_step": fsdp_micro, "data_parallel": data_step}
     ideal["muon_a2a"] = muon_received
@@ -162,6 +165,7 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
     headline = {
         "train_step_gib_per_device": round(train_gib, 3),
         "train_step_fits_24gib": int(train_gib <= 24.0),
+        "train_step_fits_16gib": int(train_gib <= 16.0),  # issue 8's margin
         "collective_bytes_over_fsdp_ideal": round(step["collectives"]["total"] / ideal["total"], 3),
         "neuron_census_violations": sum(p["census"]["violations"] for p in report.values()),
         "modelled_trn2_step_s": round(compute_s + comm_s, 3),
@@ -251,7 +255,8 @@ def print_table(plan: dict) -> None:
             bad = {k: c[k] for k in CENSUS_VIOLATIONS if c[k]}
             print(f"Neuron census, {name}: {bad}")
     print(f"verdict: the train step {'fits' if h['train_step_fits_24gib'] else 'does NOT fit'} "
-          f"in 24 GiB per device ({h['train_step_gib_per_device']:.2f} GiB)")  # fmt: skip
+          f"in 24 GiB per device ({h['train_step_gib_per_device']:.2f} GiB; within the 16 GiB "
+          f"margin: {'yes' if h['train_step_fits_16gib'] else 'NO'})")  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from laplace_jax.fsdp import make_loss_and_grad
 from laplace_jax.model import LaplaceLM
 from laplace_jax.sharding import logical_sharding, replicated
 
@@ -44,8 +45,12 @@ def make_train_step(
     opt_shardings,
     grad_clip: float = 1.0,
     lr_schedule=None,
+    remat: str = "none",
 ):
     """jit(step)(state, batch [A, B, T + 1]) -> (state, metrics), with explicit shardings.
+
+    Each micro-batch's loss and gradient come from `laplace_jax.fsdp` (weights gathered layer by
+    layer, gradients reduce-scattered in fp32; `remat` is its policy for the backward).
 
     With `lr_schedule` (step -> Muon's rate), the metrics hold `lr`: that schedule at optax's own
     count (`schedule_count`), i.e. the learning rate this step applied.
@@ -56,7 +61,9 @@ def make_train_step(
         "bad_streak": replicated(mesh),
     }
     repl = replicated(mesh)
-    grad_fn = jax.value_and_grad(lambda p, t: loss_fn(model, p, t))
+    specs = jax.tree.map(lambda s: s.spec, param_shardings)
+    batch_spec = logical_sharding(mesh, EVAL_BATCH_AXES).spec  # one micro-batch [M, T + 1]
+    grad_fn = make_loss_and_grad(model, mesh, specs, batch_spec, remat)
 
     def step(state, batch):
         params = state["params"]

@@ -1,0 +1,173 @@
+"""FSDP with explicit collectives: the loss and gradient of one micro-batch (DESIGN.md s8).
+
+Inside `jax.shard_map` every device holds its shards of the parameters and its own sequences,
+and the program states every collective it makes, the same on every backend:
+
+    gather_weight(shard)  forward:  all_gather(shard.astype(dtype)) over fsdp   [D/n, F] -> [D, F]
+                          backward: psum_scatter(ct.astype(f32)) over fsdp, then psum over data
+
+so weights travel in the compute dtype (bf16 for 3B: half the bytes moved and held) and
+gradients are reduced in fp32, straight into their shards. Parameters the rules table leaves
+replicated (norm scales, biases) are not gathered; their gradient is summed over every device.
+
+The decoder layers run as a `lax.scan` over the layer-stacked shards (MaxText's `scan_layers`; a
+loop with a static trip count, which Neuron accepts), so only one layer's gathered weights and
+full gradient are live at a time. With a `remat` policy the scan body is a `jax.checkpoint`: the
+backward keeps each layer's input only, gathers the layer's weights again and recomputes it, the
+FSDP ideal's second gather (DESIGN.md s8). The parameter tree is unchanged (`layer_{i}/...`): the
+stacking is of each device's local shards, inside the step, and moves no data between devices.
+
+The math is the model's own: the layer is `DecoderLayer`, the norm and head `LayerNorm` and
+`Dense` of laplace_jax/model.py, applied to gathered weights; only where the weights come from
+differs. `tests/test_fsdp.py` checks loss and gradients against `jax.value_and_grad` of the
+plain model.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import traverse_util
+from jax.sharding import Mesh, PartitionSpec
+
+from laplace_jax.model import (
+    DecoderLayer,
+    Dense,
+    LaplaceLM,
+    LayerNorm,
+    is_muon_path,
+)
+from laplace_jax.sharding import FSDP
+
+f32 = jnp.float32
+
+# What the backward of a decoder layer keeps from its forward (`remat`): "none" keeps every
+# activation (and the gathered weights); "layer" keeps each layer's input only and recomputes the
+# layer, weights gathered again; "dots" keeps the matmul outputs too (less recompute, more memory).
+REMAT_POLICIES = {
+    "none": None,
+    "layer": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+# Weights cast to the compute dtype before their gather: those the model multiplies in it anyway
+# (`Dense` kernels and the embedding table). Everything else is gathered, and used, in fp32.
+CAST_TOP_LEVEL = ("embed/embedding", "lm_head/kernel")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gather_weight(shard, axis: int | None, dtype, mesh_axes: tuple[str, ...]):
+    """This device's shard -> the whole weight in `dtype` (all_gather over fsdp along `axis`;
+    `axis` None: a replicated parameter, only cast). Its gradient is the fp32 sum over all
+    devices, scattered back to the shard."""
+    w = shard.astype(dtype)
+    return w if axis is None else jax.lax.all_gather(w, FSDP, axis=axis, tiled=True)
+
+
+def _gather_fwd(shard, axis, dtype, mesh_axes):
+    return gather_weight(shard, axis, dtype, mesh_axes), None
+
+
+def _gather_bwd(axis, dtype, mesh_axes, _, ct):
+    ct = ct.astype(f32)  # reduce in fp32 whatever the compute dtype
+    others = tuple(a for a in mesh_axes if a != FSDP or axis is None)
+    if axis is not None:  # [D, F] -> this device's [D/n, F] of the sum over the fsdp group
+        ct = jax.lax.psum_scatter(ct, FSDP, scatter_dimension=axis, tiled=True)
+    if others:  # replicas of this shard (data axis; all axes for a replicated parameter)
+        ct = jax.lax.psum(ct, others)
+    return (ct,)
+
+
+gather_weight.defvjp(_gather_fwd, _gather_bwd)
+
+
+def fsdp_axis(spec: PartitionSpec) -> int | None:
+    """The dimension a parameter's PartitionSpec splits over `fsdp` (None: replicated)."""
+    for i, entry in enumerate(spec):
+        if entry == FSDP or (isinstance(entry, tuple) and FSDP in entry):
+            return i
+    return None
+
+
+def make_loss_and_grad(
+    model: LaplaceLM, mesh: Mesh, param_specs, batch_spec: PartitionSpec, remat: str = "none"
+):
+    """f(params, tokens [M, T + 1]) -> (mean next-token loss, gradients sharded like params).
+
+    `param_specs`: the PartitionSpec of every parameter (laplace_jax.sharding.param_specs);
+    `batch_spec`: that of the token batch (its sequences split over the devices).
+    """
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
+    cfg = model.config
+    dtype = jnp.dtype(cfg.compute_dtype)
+    mesh_axes = tuple(mesh.axis_names)
+    L = cfg.n_layers
+
+    flat_specs = traverse_util.flatten_dict(param_specs, sep="/")
+
+    def gather_args(path):  # static (axis, dtype, mesh axes) of the parameter at `path`
+        layer_path = "layer_0/" + path.split("/", 1)[1] if path.startswith("layer_") else path
+        cast = is_muon_path(layer_path) or path in CAST_TOP_LEVEL
+        return fsdp_axis(flat_specs[path]), dtype if cast else f32, mesh_axes
+
+    layer_args = {  # "qkvg/kernel" -> static gather arguments (the same for every layer)
+        p.split("/", 1)[1]: gather_args(p) for p in flat_specs if p.startswith("layer_0/")
+    }
+
+    def gather(params, path):
+        return gather_weight(params[path], *gather_args(path))
+
+    def layer(x, stacked_shards):  # x: [b, T, D]; one layer's shards, sliced by the scan
+        weights = {p: gather_weight(stacked_shards[p], *layer_args[p]) for p in layer_args}
+        b = x.shape[0]
+        state = {
+            "gla": jnp.zeros((b, *cfg.gla_state_shape), f32),
+            "conv": jnp.zeros((b, *cfg.conv_state_shape), f32),
+        }
+        layer_params = traverse_util.unflatten_dict(weights, sep="/")
+        x, _ = DecoderLayer(cfg, model.unroll).apply({"params": layer_params}, x, state)
+        return x, None
+
+    if REMAT_POLICIES[remat] is not None:
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+
+    def local_loss(shards, tokens, n_global):
+        # shards: this device's {path: shard}; tokens: its sequences [b, T + 1]
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [b, T]
+        x = jnp.take(gather(shards, "embed/embedding"), inputs, axis=0).astype(dtype)
+        stacked = {  # [L, ...] per layer parameter: local shards only, no communication
+            p: jnp.stack([shards[f"layer_{i}/{p}"] for i in range(L)]) for p in layer_args
+        }
+        x, _ = jax.lax.scan(layer, x, stacked)  # [b, T, D]
+        h = LayerNorm(cfg.norm_eps).apply({"params": {"scale": gather(shards, "ln_f/scale")}}, x)
+        head = Dense(cfg.vocab_size, ("embed", "vocab"), cfg.init_std, dtype)
+        logits = head.apply({"params": {"kernel": gather(shards, "lm_head/kernel")}}, h)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(f32), targets)
+        return ce.sum() / n_global  # this device's share of the global mean
+
+    batch_axes = batch_spec[0] if isinstance(batch_spec[0], tuple) else (batch_spec[0],)
+    batch_shards = math.prod(mesh.shape[a] for a in batch_axes if a is not None)
+
+    def body(shards, tokens):  # per device: its shards, its sequences [b, T + 1]
+        n_targets = batch_shards * tokens.shape[0] * (tokens.shape[1] - 1)  # whole micro-batch
+        loss, grads = jax.value_and_grad(local_loss)(shards, tokens, n_targets)
+        return jax.lax.psum(loss, mesh_axes), grads
+
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(flat_specs, batch_spec),
+        out_specs=(PartitionSpec(), flat_specs),
+        check_vma=False,
+    )
+
+    def loss_and_grad(params, tokens):
+        loss, grads = fn(traverse_util.flatten_dict(params, sep="/"), tokens)
+        return loss, traverse_util.unflatten_dict(grads, sep="/")
+
+    return loss_and_grad
