@@ -96,7 +96,8 @@ def fsdp_axis(spec: PartitionSpec) -> int | None:
 def make_loss_and_grad(
     model: LaplaceLM, mesh: Mesh, param_specs, batch_spec: PartitionSpec, remat: str = "none"
 ):
-    """f(params, tokens [M, T + 1]) -> (mean next-token loss, gradients sharded like params).
+    """f(params, tokens [M, T + 1], mask=None) -> (mean next-token loss, gradients sharded like
+    params). With `mask` [M, T] bool the mean is over the masked targets only.
 
     `param_specs`: the PartitionSpec of every parameter (laplace_jax.sharding.param_specs);
     `batch_spec`: that of the token batch (its sequences split over the devices).
@@ -136,8 +137,8 @@ def make_loss_and_grad(
     if REMAT_POLICIES[remat] is not None:
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
 
-    def local_loss(shards, tokens, n_global):
-        # shards: this device's {path: shard}; tokens: its sequences [b, T + 1]
+    def local_loss(shards, tokens, n_global, mask=None):
+        # shards: this device's {path: shard}; tokens: its sequences [b, T + 1]; mask: [b, T]
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [b, T]
         x = jnp.take(gather(shards, "embed/embedding"), inputs, axis=0).astype(dtype)
         stacked = {  # [L, ...] per layer parameter: local shards only, no communication
@@ -148,26 +149,37 @@ def make_loss_and_grad(
         head = Dense(cfg.vocab_size, ("embed", "vocab"), cfg.init_std, dtype)
         logits = head.apply({"params": {"kernel": gather(shards, "lm_head/kernel")}}, h)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(f32), targets)
+        if mask is not None:  # only the scored targets count
+            ce = jnp.where(mask, ce, 0.0)
         return ce.sum() / n_global  # this device's share of the global mean
 
     batch_axes = batch_spec[0] if isinstance(batch_spec[0], tuple) else (batch_spec[0],)
-    batch_shards = math.prod(mesh.shape[a] for a in batch_axes if a is not None)
+    split_axes = tuple(a for a in batch_axes if a is not None)  # the batch's mesh axes
+    batch_shards = math.prod(mesh.shape[a] for a in split_axes)
 
-    def body(shards, tokens):  # per device: its shards, its sequences [b, T + 1]
-        n_targets = batch_shards * tokens.shape[0] * (tokens.shape[1] - 1)  # whole micro-batch
-        loss, grads = jax.value_and_grad(local_loss)(shards, tokens, n_targets)
+    def body(shards, tokens, mask=None):  # per device: its shards, sequences [b, T + 1], mask
+        if mask is None:  # every target of the whole micro-batch counts
+            n_targets = batch_shards * tokens.shape[0] * (tokens.shape[1] - 1)
+        else:  # the scored targets of the whole micro-batch (none: loss 0, not NaN)
+            n_targets = mask.sum(dtype=f32)
+            n_targets = jax.lax.psum(n_targets, split_axes) if split_axes else n_targets
+            n_targets = jnp.maximum(n_targets, 1.0)
+        loss, grads = jax.value_and_grad(local_loss)(shards, tokens, n_targets, mask)
         return jax.lax.psum(loss, mesh_axes), grads
 
-    fn = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(flat_specs, batch_spec),
-        out_specs=(PartitionSpec(), flat_specs),
-        check_vma=False,
-    )
-
-    def loss_and_grad(params, tokens):
-        loss, grads = fn(traverse_util.flatten_dict(params, sep="/"), tokens)
+    def loss_and_grad(params, tokens, mask=None):
+        """`mask` [M, T] bool (optional): the loss is sum(ce * mask) / sum(mask) over the whole
+        micro-batch (e.g. the answer positions of train/tasks.py); None: every target counts."""
+        inputs = (traverse_util.flatten_dict(params, sep="/"), tokens)
+        inputs += () if mask is None else (mask,)
+        fn = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(flat_specs,) + (batch_spec,) * (len(inputs) - 1),
+            out_specs=(PartitionSpec(), flat_specs),
+            check_vma=False,
+        )
+        loss, grads = fn(*inputs)
         return loss, traverse_util.unflatten_dict(grads, sep="/")
 
     return loss_and_grad

@@ -21,6 +21,13 @@ exported tensor names of `laplace_spec/names.py`, checked at construction and on
     model = LaplaceForCausalLM.from_exported("exported/")       # or AutoModelForCausalLM
     out = model(input_ids)                                       # logits [B, T, V], out.state
     out = model(next_ids[:, None], state=out.state)             # one decode step, O(1)
+    model.generate(input_ids, max_new_tokens=32)                 # transformers' generation
+
+Generation (`GenerationMixin`) carries the `LaplaceState` as the cache under the name
+`cache_params`, as transformers' Mamba does: the prefill returns it, every later step feeds one
+token and the state (`prepare_inputs_for_generation`), and no `DynamicCache` is made. A padded
+batch must be left-padded (the tokenizer's `padding_side="left"`): each row is then prefilled
+alone on its real tokens, so padding never enters the state, and the rows decode together.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from laplace_spec import names
@@ -228,9 +235,16 @@ class LaplaceModel(nn.Module):
 
 @dataclasses.dataclass
 class LaplaceOutput(ModelOutput):
+    """`cache_params` is the recurrent state after the input (the name transformers' generation
+    carries from step to step, as for Mamba); `state` is the same object."""
+
     loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None  # [B, T, V] fp32
-    state: LaplaceState | None = None
+    logits: torch.Tensor | None = None  # [B, T, V] fp32 (T: the kept positions)
+    cache_params: LaplaceState | None = None
+
+    @property
+    def state(self) -> LaplaceState | None:
+        return self.cache_params
 
 
 class LaplacePreTrainedModel(PreTrainedModel):
@@ -245,7 +259,9 @@ class LaplacePreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.weight, std=std)
 
 
-class LaplaceForCausalLM(LaplacePreTrainedModel):
+class LaplaceForCausalLM(LaplacePreTrainedModel, GenerationMixin):
+    _is_stateful = True  # no assisted generation: a state cannot be rolled back
+
     def __init__(self, config: LaplaceHFConfig):
         super().__init__(config)
         spec = config.laplace_config
@@ -257,21 +273,111 @@ class LaplaceForCausalLM(LaplacePreTrainedModel):
             spec, ours, side="LaplaceForCausalLM parameters vs laplace_spec/names.py"
         )
 
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
     def init_state(self, batch_size: int) -> LaplaceState:
         return LaplaceState.zeros(
             self.config.laplace_config, batch_size, self.lm_head.weight.device
         )
 
-    def forward(self, input_ids, state: LaplaceState | None = None, labels=None, **kwargs):
-        """input_ids [B, T] from `state` (None: the empty state) -> logits [B, T, V], state."""
+    def forward(
+        self,
+        input_ids,
+        state: LaplaceState | None = None,
+        labels=None,
+        *,
+        cache_params: LaplaceState | None = None,
+        attention_mask: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
+        """input_ids [B, T] from `state` (None: the empty state) -> logits [B, T, V], state.
+
+        `cache_params` is another name for `state` (transformers' generation). A 2-D
+        `attention_mask` with zeros must be left padding: each row then runs alone on its
+        real tokens (the padded positions' logits are 0). `logits_to_keep` > 0 keeps only the
+        last positions' logits; `use_cache=False` returns no state.
+        """
         if state is None:
-            state = self.init_state(input_ids.shape[0])
-        x, state = self.model(input_ids, state)
+            state = cache_params
+        if attention_mask is not None and not bool(attention_mask.all()):
+            x, state = self._left_padded(input_ids, attention_mask, state)
+        else:
+            if state is None:
+                state = self.init_state(input_ids.shape[0])
+            x, state = self.model(input_ids, state)
+        if logits_to_keep and labels is None:
+            x = x[:, -logits_to_keep:]
         logits = self.lm_head(x).to(f32)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
-        return LaplaceOutput(loss=loss, logits=logits, state=state)
+        out = LaplaceOutput(
+            loss=loss, logits=logits, cache_params=None if use_cache is False else state
+        )
+        return out.to_tuple() if return_dict is False else out
+
+    def _left_padded(self, input_ids, attention_mask, state):
+        """Each row on its own real (right-aligned) tokens: hidden [B, T, D] and the states."""
+        B, T = input_ids.shape
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask {tuple(attention_mask.shape)} with zeros must match input_ids "
+                f"{tuple(input_ids.shape)} (with a cache, pass only the new tokens, unpadded)"
+            )
+        n = attention_mask.long().sum(-1)
+        left = torch.arange(T, device=n.device)[None, :] >= (T - n)[:, None]
+        if not torch.equal(attention_mask.bool(), left) or bool((n == 0).any()):
+            raise ValueError(
+                "Laplace takes left padding only (tokenizer padding_side='left'), and every "
+                "row needs at least one token: a recurrent state cannot skip inner or right pads"
+            )
+        x = None
+        states = []
+        for b in range(B):
+            start = T - int(n[b])
+            s = self.init_state(1) if state is None else state.select(slice(b, b + 1))
+            h, s = self.model(input_ids[b : b + 1, start:], s)
+            if x is None:
+                x = h.new_zeros(B, T, h.shape[-1])
+            x[b, start:] = h[0]
+            states.append(s)
+        return x, LaplaceState.cat(states)
+
+    # ---- transformers' generation: the state is the cache, as Mamba's `cache_params` ------
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the cache is the LaplaceState the forward returns, not a DynamicCache
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids,
+        cache_params: LaplaceState | None = None,
+        attention_mask: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        is_first_iteration: bool | None = False,
+        **kwargs,
+    ):
+        inputs = super().prepare_inputs_for_generation(
+            input_ids,
+            cache_params=cache_params,
+            attention_mask=attention_mask,
+            use_cache=use_cache,
+            is_first_iteration=is_first_iteration,
+            **kwargs,
+        )
+        if use_cache is not False and cache_params is not None and not is_first_iteration:
+            # one new token per row on top of the state: the padding is already left out
+            inputs["input_ids"] = input_ids[:, -1:].contiguous()
+            inputs["attention_mask"] = None
+        return inputs
 
     # ---- loading the exported folder (names and shapes from laplace_spec/names.py) ---------
 

@@ -9,6 +9,12 @@ The model class is `serve/vllm_model.py`; it is registered by `serve/vllm_plugin
 `vllm.general_plugins` entry point, so any vLLM process finds it; registered here too).
 Environment defaults (set only when unset): VLLM_CPU_KVCACHE_SPACE=1 (GiB of state pages),
 VLLM_CPU_NUM_OF_RESERVED_CPU=0 (the model may use every core).
+
+Defaults derived from the folder (each overridable by its flag):
+  --dtype         the export's dtype (config.json `torch_dtype`): a bf16 export is served with
+                  bf16 weights and activations; the recurrent state stays fp32 either way.
+  --max-num-seqs  as many sequences as the state page budget holds (`default_max_num_seqs`):
+                  floor(VLLM_CPU_KVCACHE_SPACE GiB / state bytes per sequence) - 1, at most 2048.
 """
 
 from __future__ import annotations
@@ -28,21 +34,67 @@ def set_env_defaults() -> None:
         os.environ.setdefault(k, v)
 
 
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+MAX_DEFAULT_SEQS = 2048
+
+
+def _config(model) -> dict:
+    return json.loads((Path(model) / "config.json").read_text())
+
+
+def serving_dtype(model, dtype: str | None = None) -> str:
+    """The dtype served, float32 or bfloat16: `dtype` if given, else the export's own."""
+    if dtype in (None, "auto"):
+        conf = _config(model)
+        dtype = str(conf.get("torch_dtype") or conf.get("dtype") or "float32")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: Laplace serves {sorted(set(DTYPES.values()))}")
+    return DTYPES[dtype]
+
+
+def state_budget_bytes() -> int:
+    """vLLM's CPU state/KV page budget: VLLM_CPU_KVCACHE_SPACE GiB (this adapter's default 1)."""
+    gib = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or ENV_DEFAULTS["VLLM_CPU_KVCACHE_SPACE"]
+    return int(float(gib) * 2**30)
+
+
+def default_max_num_seqs(model, budget_bytes: int | None = None) -> int:
+    """The sequences whose state pages fit the budget, at most `MAX_DEFAULT_SEQS`:
+
+        max_num_seqs = min(floor(budget / S) - 1, 2048)
+
+    S: one sequence's state, all layers, fp32 (laplace_spec's `state_bytes_per_sequence`; vLLM
+    gives each running sequence one page of S bytes, and keeps one page back as its null block).
+    The cap bounds vLLM's per-request host buffers (max_model_len tokens each) and keeps
+    max_num_seqs within vLLM's default max_num_batched_tokens on CPU (2048 for the server).
+    """
+    from serve.configuration_laplace import LaplaceHFConfig
+
+    spec = LaplaceHFConfig.from_dict(_config(model)).laplace_config
+    per_seq = spec.state_bytes_per_sequence()["total"]
+    budget = state_budget_bytes() if budget_bytes is None else budget_bytes
+    return max(1, min(budget // per_seq - 1, MAX_DEFAULT_SEQS))
+
+
 def engine_kwargs(
     model: str,
     *,
     max_model_len: int | None = None,
-    max_num_seqs: int = 64,
+    max_num_seqs: int | None = None,
     compile: bool = False,
     seed: int = 0,
+    dtype: str | None = None,
 ) -> dict:
-    """Engine arguments for a Laplace folder (fp32 state, no prefix caching: one page/seq)."""
+    """Engine arguments for a Laplace folder (fp32 state, no prefix caching: one page/seq).
+
+    dtype None/"auto": the export's dtype; max_num_seqs None: `default_max_num_seqs`.
+    """
     kw = dict(
         model=str(model),
-        dtype="float32",
+        dtype=serving_dtype(model, dtype),
         enforce_eager=not compile,
         enable_prefix_caching=False,
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=max_num_seqs or default_max_num_seqs(model),
         seed=seed,
         skip_tokenizer_init=not (Path(model) / "tokenizer.json").is_file(),
     )
@@ -63,7 +115,7 @@ def make_llm(model: str, **kwargs):
     return LLM(**{**ek, **kwargs})
 
 
-_ENGINE_KEYS = ("max_model_len", "max_num_seqs", "compile", "seed")
+_ENGINE_KEYS = ("max_model_len", "max_num_seqs", "compile", "seed", "dtype")
 
 
 def generate(llm, prompts, max_tokens: int, temperature: float = 0.0, seed: int | None = None):
@@ -101,19 +153,23 @@ def serve(args) -> None:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         compile=args.compile,
+        seed=args.seed,
+        dtype=args.dtype,
     )
     argv = [
         "--model", ek["model"],
         "--host", args.host,
         "--port", str(args.port),
-        "--dtype", "float32",
+        "--dtype", ek["dtype"],
         "--no-enable-prefix-caching",
         "--max-num-seqs", str(ek["max_num_seqs"]),
         "--served-model-name", args.served_model_name or Path(args.model).resolve().name,
-        "--seed", "0",
+        "--seed", str(ek["seed"]),
     ]  # fmt: skip
     if ek["enforce_eager"]:
         argv.append("--enforce-eager")
+    if ek["skip_tokenizer_init"]:  # as offline: a folder without tokenizer.json takes token ids
+        argv.append("--skip-tokenizer-init")
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
     sys.argv = ["vllm.entrypoints.openai.api_server", *argv, *args.vllm_arg]
@@ -136,13 +192,24 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="engine seed (server and offline)")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="weights/activations dtype (default: the export's); the state is always fp32",
+    )
     ap.add_argument("--json", action="store_true", help="print JSON lines with token ids")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="default: the sequences whose state fits VLLM_CPU_KVCACHE_SPACE (at most 2048)",
+    )
     ap.add_argument(
         "--compile",
         action="store_true",
@@ -165,6 +232,8 @@ def main(argv=None) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         compile=args.compile,
+        seed=args.seed,
+        dtype=args.dtype,
     )
     for r in generate(llm, prompts, args.max_tokens, args.temperature, args.seed):
         if args.json:

@@ -83,6 +83,25 @@ def test_torch_greedy_matches_jax(exported, prompts, reference):
     assert [greedy_generate(model, [p], N_NEW)[0] for p in prompts] == reference  # alone
 
 
+def test_hf_generate_matches_jax(exported, prompts, reference):
+    """transformers' generate() on the folder, left-padded batch: the JAX tokens, which the
+    vLLM tests below also match (tests/test_hf_generate.py covers generate() in depth)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import serve.modeling_laplace  # noqa: F401  registers the Auto classes
+
+    model = AutoModelForCausalLM.from_pretrained(exported[2], dtype=torch.float32).eval()
+    T = max(map(len, prompts))
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(
+        ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False,
+        eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    assert out[:, T:].tolist() == reference
+
+
 def test_vllm_greedy_matches_jax_batched_and_alone(llm, prompts, reference):
     from serve.vllm_adapter import generate
 
@@ -251,3 +270,107 @@ def test_server_rejects_bad_requests_and_keeps_serving(server, bad):
         base + "/v1/completions", {"model": "laplace-tiny", "prompt": [3, 4], "max_tokens": 2}
     )
     assert status == 200 and proc.poll() is None
+
+
+# ---- bf16 served as bf16; defaults derived from the folder -----------------------------------
+
+BF16_LOGPROB_TOL = 5e-3  # observed 5.1e-4; bf16 vs fp32 on the same tokens differs by ~5e-2
+
+
+def _dtypes(worker):
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    model = worker.model_runner.model
+    pages = {str(t.dtype) for m in model.modules() if isinstance(m, MambaBase) for t in m.kv_cache}
+    return sorted({str(p.dtype) for p in model.parameters()}), sorted(pages)
+
+
+def test_vllm_bf16_export_served_as_bf16(exported, prompts):
+    """A bf16 export is served with bf16 weights and fp32 state pages; the log-probabilities of
+    the tokens vLLM picks equal the PyTorch bf16 module's on the same sequence (teacher-forced)
+    within BF16_LOGPROB_TOL, and those tokens are the module's own greedy tokens."""
+    import torch
+    from vllm import SamplingParams
+
+    from export import exporter
+    from serve.generation import greedy_generate
+    from serve.modeling_laplace import LaplaceForCausalLM
+    from serve.vllm_adapter import make_llm
+
+    cfg, params, out = exported
+    bf = exporter.export_model(
+        cfg,
+        params,
+        out.parent / "bf16",
+        tokenizer_dir=out.parent / "tok",
+        max_len=1024,
+        dtype="bf16",
+    )
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+    engine = make_llm(str(bf), max_num_seqs=8)  # dtype: the export's
+    try:
+        assert engine.collective_rpc(_dtypes)[0] == (["torch.bfloat16"], ["torch.float32"])
+        sp = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True, logprobs=1)
+        outs = engine.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    finally:
+        del engine
+    module = LaplaceForCausalLM.from_exported(bf, dtype=torch.bfloat16)
+    assert [list(o.outputs[0].token_ids) for o in outs] == greedy_generate(module, prompts, N_NEW)
+    for p, o in zip(prompts, outs, strict=True):
+        toks = list(o.outputs[0].token_ids)
+        got = torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, toks, strict=True)])
+        with torch.no_grad():
+            logits = module(torch.tensor([p + toks])).logits[0, len(p) - 1 : -1]
+        want = torch.log_softmax(logits, -1)[torch.arange(N_NEW), toks]
+        assert (got - want).abs().max().item() <= BF16_LOGPROB_TOL
+
+
+def test_default_max_num_seqs_from_the_state_page_budget(llm, exported):
+    """The engine's page count is budget // state bytes per sequence (one page per sequence);
+    the default max_num_seqs is that minus vLLM's null page, capped; a given value wins."""
+    from serve.vllm_adapter import (
+        MAX_DEFAULT_SEQS,
+        default_max_num_seqs,
+        engine_kwargs,
+        state_budget_bytes,
+    )
+
+    cfg, _, out = exported
+    per_seq = cfg.state_bytes_per_sequence()["total"]
+    pages = state_budget_bytes() // per_seq
+    assert llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == pages
+    assert default_max_num_seqs(out) == min(pages - 1, MAX_DEFAULT_SEQS)
+    assert default_max_num_seqs(out, budget_bytes=100 * per_seq) == 99
+    assert engine_kwargs(out)["max_num_seqs"] == default_max_num_seqs(out)
+    assert engine_kwargs(out, max_num_seqs=8)["max_num_seqs"] == 8
+    assert engine_kwargs(out)["dtype"] == "float32"
+
+
+def test_server_argv_has_seed_dtype_and_skip_tokenizer_init(exported, tmp_path, monkeypatch):
+    """Server mode passes --seed, the dtype, the derived --max-num-seqs and, for a folder
+    without tokenizer.json, --skip-tokenizer-init (as the offline path does)."""
+    import runpy
+    import shutil
+
+    from serve import vllm_adapter
+
+    cfg, _, out = exported
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(out / f, bare / f)
+    seen = {}
+    monkeypatch.setattr(runpy, "run_module", lambda *a, **k: seen.update(argv=list(sys.argv)))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    args = ["--model", str(bare), "--port", "1", "--seed", "7", "--dtype", "bf16"]
+    assert vllm_adapter.main(args) == 0
+    argv = seen["argv"]
+    flag = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
+    assert flag["--seed"] == "7" and flag["--dtype"] == "bfloat16"
+    assert flag["--max-num-seqs"] == str(vllm_adapter.default_max_num_seqs(bare))
+    assert "--skip-tokenizer-init" in argv
+    assert vllm_adapter.main([*args[:-2], "--max-num-seqs", "5"]) == 0
+    argv = seen["argv"]
+    assert "--skip-tokenizer-init" in argv and argv[argv.index("--max-num-seqs") + 1] == "5"
+    assert argv[argv.index("--dtype") + 1] == "float32"  # the export's own dtype

@@ -18,6 +18,12 @@ nothing; `--restart` starts over at step 0 after moving the checkpoints and metr
 trainer chooses for the user (presets of a JSON model, the schedule fitted to the run, parameters
 replicated because they do not divide over the mesh) is printed as a `note:` line at start-up.
 
+`--task NAME[:key=value,...]` trains on a synthetic retrieval task instead of token shards
+(train/tasks.py): `mqar[:num_pairs=4,vocab_size=V,power_a=0.01]` or
+`passkey[:depth=0.5,vocab_size=V,num_digits=5]`, at the model's seq_len, vocab_size defaulting
+to the model's. Batches are generated from (seed, step, process), so a resumed run continues the
+same sequence; the loss counts the answer positions only; there is no validation loss or sample.
+
 Several hosts: set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (or pass
 `--distributed` where JAX detects the cluster itself, e.g. SLURM or Cloud TPU); each process reads
 its own share of the data windows.
@@ -82,6 +88,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--config", default="small", help="model preset or JSON file")
     ap.add_argument("--data", help="glob of training token shards (default: stdlib corpus)")
     ap.add_argument("--val-data", help="glob of validation shards (default: none with --data)")
+    ap.add_argument(
+        "--task",
+        metavar="NAME[:key=value,...]",
+        help="train on a synthetic retrieval task instead of token shards, generated on the fly "
+        "from (seed, step): mqar[:num_pairs=4,vocab_size=V,power_a=0.01] or "
+        "passkey[:depth=0.5,vocab_size=V,num_digits=5]; seq_len is the model's, vocab_size "
+        "defaults to it; the loss counts the answer positions only (train/tasks.py)",
+    )
     ap.add_argument("--tokenizer", help="tokenizer.json of --data (for the sample, copied to run)")
     ap.add_argument("--steps", type=int, help="train until this step")
     ap.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
@@ -153,7 +167,8 @@ class Hooks:
     """In-process hooks into the loop (not on the command line; for tests and tools).
 
     `batch(step, tokens)` returns the host batch [A, M, T + 1] that step `step` (1-based) trains
-    on instead of `tokens`; `after_step(step)` runs once step `step` is logged and its checkpoint
+    on instead of `tokens` (with `--task`, `tokens` and the result are pairs (tokens, answer mask
+    [A, M, T])); `after_step(step)` runs once step `step` is logged and its checkpoint
     (if any) started.
     """
 
@@ -210,12 +225,19 @@ def set_up(args) -> Trainer:
     say = print if main_proc else (lambda *a, **k: None)
     run_dir = Path(args.run_dir)
     ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else run_dir / "checkpoints"
-    train_paths, val_paths, tokenizer_src = open_data(args, cfg.model, main_proc)
+    task = parse_task_flag(args, cfg.model)
+    if task is None:
+        train_paths, val_paths, tokenizer_src = open_data(args, cfg.model, main_proc)
+    else:
+        train_paths, val_paths, tokenizer_src = [], [], None
     mesh = mesh_from_flag(args.mesh)
     cfg = with_table_peak(cfg, mesh)
     layout = batch_layout(cfg.train, cfg.model.seq_len, mesh.size, jax.process_count())
-    batches, val_batches, train_tokens = build_pipeline(cfg, layout, train_paths, val_paths)
-    parts = build_model(cfg, mesh)
+    if task is None:
+        batches, val_batches, train_tokens = build_pipeline(cfg, layout, train_paths, val_paths)
+    else:
+        batches, val_batches, train_tokens = task_pipeline(cfg, layout, task)
+    parts = build_model(cfg, mesh, masked=task is not None)
     if args.restart:  # asked for, and the rest of the set-up is valid
         restart_aside(run_dir, ckpt_dir, say)
     ckpt = Checkpointer(ckpt_dir, cfg.train.keep_checkpoints, cfg.train.async_checkpoints)
@@ -227,6 +249,8 @@ def set_up(args) -> Trainer:
 
     run_dir.mkdir(parents=True, exist_ok=True)
     data = {"train": train_paths, "val": val_paths, "train_tokens": train_tokens}
+    if task is not None:
+        data = {"task": task[0], "task_params": task[1], "train_tokens": train_tokens}
     meta = write_run_files(args, cfg, run_dir, tokenizer_src, mesh, layout, data)
     metrics = Metrics(run_dir, start, main_proc)
     if metrics.superseded:
@@ -329,7 +353,36 @@ def build_pipeline(cfg: RunConfigs, layout, train_paths, val_paths):
     return data_lib.BatchIterator(dataset, A), val_batches, train_src.num_tokens
 
 
-def build_model(cfg: RunConfigs, mesh) -> dict[str, Any]:
+def parse_task_flag(args, model_cfg) -> tuple[str, dict] | None:
+    """`--task NAME[:key=value,...]` -> (name, parameters), checked; None without --task."""
+    if not args.task:
+        return None
+    from train import tasks
+
+    if args.data or args.val_data:
+        raise ConfigError("--task generates its own data: drop --data / --val-data")
+    try:
+        return tasks.parse_task(args.task, model_cfg.vocab_size)
+    except tasks.TaskError as e:
+        raise ConfigError(str(e)) from e
+
+
+def task_pipeline(cfg: RunConfigs, layout, task):
+    """(TaskBatches, no validation batches, tokens the run trains on) of this process."""
+    from train import tasks
+
+    B, A, M = layout
+    proc, nproc = jax.process_index(), jax.process_count()
+    try:
+        batches = tasks.TaskBatches(
+            task[0], task[1], cfg.model.seq_len, B // nproc, A, cfg.train.seed, proc
+        )
+    except tasks.TaskError as e:
+        raise ConfigError(f"--task {task[0]}: {e}") from e
+    return batches, [], cfg.train.steps * B * cfg.model.seq_len
+
+
+def build_model(cfg: RunConfigs, mesh, masked: bool = False) -> dict[str, Any]:
     """The model's shardings, abstract state, optimizer and the jitted steps."""
     from laplace_jax.model import LaplaceLM, abstract_params
     from laplace_jax.sharding import param_shardings
@@ -350,6 +403,7 @@ def build_model(cfg: RunConfigs, mesh) -> dict[str, Any]:
         cfg.train.grad_clip,
         lr_schedule=lr_schedule,
         remat=cfg.train.remat,
+        masked=masked,
     )
     return {
         "tx": tx,
@@ -382,7 +436,10 @@ def restore_or_init(cfg: RunConfigs, parts, ckpt: Checkpointer, batches):
     if restored is not None:
         start = restored["step"]
         params, opt_state = restored["params"], restored["opt_state"]
-        batches.set_state(restored["data"])
+        try:
+            batches.set_state(restored["data"])
+        except ValueError as e:  # train/tasks.py: the checkpoint was trained on other data
+            raise RestoreError(f"{ckpt.directory / str(restored['step'])}: {e}") from e
         for line in config_diff(restored["meta"].get("optimizer", {}), cfg.optim.to_dict()):
             notes.append(f"note: optimizer config changed since the checkpoint: {line}")
         notes.append(f"resumed from {ckpt.directory / str(start)} at step {start}")
@@ -494,11 +551,18 @@ def train_loop(t: Trainer, hooks: Hooks) -> int:
     for step in range(t.start, tc.steps):
         done = step + 1
         t_step = time.perf_counter()  # step time: data, dispatch, compute (not eval or saves)
-        local = next(t.batches)
+        local = next(t.batches)  # tokens, or (tokens, answer mask) with --task
         if hooks.batch is not None:
             local = hooks.batch(done, local)
-        batch = jax.make_array_from_process_local_data(batch_sharding, local, global_shape)
-        t.state, m = t.train_step(t.state, batch)
+        if isinstance(local, tuple):  # a task: the loss counts the answer positions only
+            tokens, mask = local
+            batch = jax.make_array_from_process_local_data(batch_sharding, tokens, global_shape)
+            mask_shape = (*global_shape[:2], global_shape[2] - 1)
+            mask = jax.make_array_from_process_local_data(batch_sharding, mask, mask_shape)
+            t.state, m = t.train_step(t.state, batch, mask)
+        else:
+            batch = jax.make_array_from_process_local_data(batch_sharding, local, global_shape)
+            t.state, m = t.train_step(t.state, batch)
         m = jax.device_get(m)
         if step > t.start:  # the first step of a process includes compilation
             window[0] += t.tokens_per_step

@@ -46,8 +46,12 @@ def make_train_step(
     grad_clip: float = 1.0,
     lr_schedule=None,
     remat: str = "none",
+    masked: bool = False,
 ):
     """jit(step)(state, batch [A, B, T + 1]) -> (state, metrics), with explicit shardings.
+
+    `masked`: the step is jit(step)(state, batch, mask [A, B, T] bool) and each micro-batch's
+    loss counts only the masked targets (the answer positions of the tasks in train/tasks.py).
 
     Each micro-batch's loss and gradient come from `laplace_jax.fsdp` (weights gathered layer by
     layer, gradients reduce-scattered in fp32; `remat` is its policy for the backward).
@@ -65,23 +69,24 @@ def make_train_step(
     batch_spec = logical_sharding(mesh, EVAL_BATCH_AXES).spec  # one micro-batch [M, T + 1]
     grad_fn = make_loss_and_grad(model, mesh, specs, batch_spec, remat)
 
-    def step(state, batch):
+    def step(state, batch, mask=None):
         params = state["params"]
         accum = batch.shape[0]  # static
 
         if accum == 1:
-            loss, grads = grad_fn(params, batch[0])
+            loss, grads = grad_fn(params, batch[0], None if mask is None else mask[0])
         else:
 
-            def micro(carry, tokens):
+            def micro(carry, xs):
                 loss_sum, grad_sum = carry
-                loss, grads = grad_fn(params, tokens)
+                loss, grads = grad_fn(params, *xs)
                 grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
                 grad_sum = jax.lax.with_sharding_constraint(grad_sum, param_shardings)
                 return (loss_sum + loss, grad_sum), None
 
             zeros = jax.tree.map(jnp.zeros_like, params)
-            (loss, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), batch)
+            xs = (batch,) if mask is None else (batch, mask)
+            (loss, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), xs)
             loss = loss / accum
             grads = jax.tree.map(lambda g: g / accum, grads)
 
@@ -113,9 +118,10 @@ def make_train_step(
 
     names = ("loss", "grad_norm", "applied", "bad_streak") + (("lr",) if lr_schedule else ())
     metric_shardings = {k: repl for k in names}
+    batch_sharding = logical_sharding(mesh, TRAIN_BATCH_AXES)
     return jax.jit(
         step,
-        in_shardings=(state_shardings, logical_sharding(mesh, TRAIN_BATCH_AXES)),
+        in_shardings=(state_shardings, batch_sharding) + ((batch_sharding,) if masked else ()),
         out_shardings=(state_shardings, metric_shardings),
         donate_argnums=0,
     ), state_shardings
