@@ -14,7 +14,16 @@ Defaults derived from the folder (each overridable by its flag):
   --dtype         the export's dtype (config.json `torch_dtype`): a bf16 export is served with
                   bf16 weights and activations; the recurrent state stays fp32 either way.
   --max-num-seqs  as many sequences as the state page budget holds (`default_max_num_seqs`):
-                  floor(VLLM_CPU_KVCACHE_SPACE GiB / state bytes per sequence) - 1, at most 2048.
+                  floor(VLLM_CPU_KVCACHE_SPACE GiB / state bytes per sequence) - 1, at most 2048
+                  (half that with --enable-prefix-caching: two pages per running sequence).
+
+Prefix caching of the recurrent state (`--enable-prefix-caching`, off by default): vLLM's
+`align` mode keeps the state at the last block boundary of each prompt (blocks of
+`PREFIX_BLOCK_SIZE` tokens), so a request that extends an earlier prompt (a conversation's next
+turn) starts from that state and prefills only the rest. The block size is passed explicitly:
+left unset, vLLM 0.32's CPU platform makes it 128 in the engine process (platforms/cpu.py) after
+the state blocks were sized 16, so prefills are split at 128-token boundaries while hits are
+looked up at 16: the saved states rarely fall where later prompts look (no hits on most turns).
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ def set_env_defaults() -> None:
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 MAX_DEFAULT_SEQS = 2048
+PREFIX_BLOCK_SIZE = 32  # tokens per prefix-cache block (state checkpoint granularity)
 
 
 def _config(model) -> dict:
@@ -84,20 +94,27 @@ def engine_kwargs(
     compile: bool = False,
     seed: int = 0,
     dtype: str | None = None,
+    prefix_caching: bool = False,
 ) -> dict:
-    """Engine arguments for a Laplace folder (fp32 state, no prefix caching: one page/seq).
+    """Engine arguments for a Laplace folder (fp32 state).
 
-    dtype None/"auto": the export's dtype; max_num_seqs None: `default_max_num_seqs`.
+    dtype None/"auto": the export's dtype; max_num_seqs None: `default_max_num_seqs` (halved
+    with prefix caching). prefix_caching: vLLM's `align` mode with `PREFIX_BLOCK_SIZE` blocks;
+    off: one state page per sequence.
     """
+    if prefix_caching and not max_num_seqs:  # align mode: up to 2 pages per running sequence
+        max_num_seqs = max(1, default_max_num_seqs(model) // 2)
     kw = dict(
         model=str(model),
         dtype=serving_dtype(model, dtype),
         enforce_eager=not compile,
-        enable_prefix_caching=False,
+        enable_prefix_caching=prefix_caching,
         max_num_seqs=max_num_seqs or default_max_num_seqs(model),
         seed=seed,
         skip_tokenizer_init=not (Path(model) / "tokenizer.json").is_file(),
     )
+    if prefix_caching:
+        kw.update(mamba_cache_mode="align", block_size=PREFIX_BLOCK_SIZE)
     if max_model_len:
         kw["max_model_len"] = max_model_len
     return kw
@@ -115,7 +132,7 @@ def make_llm(model: str, **kwargs):
     return LLM(**{**ek, **kwargs})
 
 
-_ENGINE_KEYS = ("max_model_len", "max_num_seqs", "compile", "seed", "dtype")
+_ENGINE_KEYS = ("max_model_len", "max_num_seqs", "compile", "seed", "dtype", "prefix_caching")
 
 
 def generate(llm, prompts, max_tokens: int, temperature: float = 0.0, seed: int | None = None):
@@ -148,6 +165,8 @@ def serve(args) -> None:
     from serve.vllm_plugin import register
 
     register()
+    # vLLM's own flag passed through --vllm-arg means the same as ours (with our block size)
+    prefix = args.enable_prefix_caching or "--enable-prefix-caching" in args.vllm_arg
     ek = engine_kwargs(
         args.model,
         max_model_len=args.max_model_len,
@@ -155,17 +174,22 @@ def serve(args) -> None:
         compile=args.compile,
         seed=args.seed,
         dtype=args.dtype,
+        prefix_caching=prefix,
     )
     argv = [
         "--model", ek["model"],
         "--host", args.host,
         "--port", str(args.port),
         "--dtype", ek["dtype"],
-        "--no-enable-prefix-caching",
         "--max-num-seqs", str(ek["max_num_seqs"]),
         "--served-model-name", args.served_model_name or Path(args.model).resolve().name,
         "--seed", str(ek["seed"]),
     ]  # fmt: skip
+    if prefix:
+        argv += ["--enable-prefix-caching", "--mamba-cache-mode", "align",
+                 "--block-size", str(ek["block_size"])]  # fmt: skip
+    else:
+        argv.append("--no-enable-prefix-caching")
     if ek["enforce_eager"]:
         argv.append("--enforce-eager")
     if ek["skip_tokenizer_init"]:  # as offline: a folder without tokenizer.json takes token ids
@@ -216,6 +240,13 @@ def main(argv=None) -> int:
         help="let vLLM torch.compile the model (default: eager, exact)",
     )
     ap.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="reuse the recurrent state of earlier prompts (vLLM's align mode: the state at "
+        f"each prompt's last {PREFIX_BLOCK_SIZE}-token boundary is kept): a conversation's next "
+        "turn prefills only what follows it",
+    )
+    ap.add_argument(
         "--vllm-arg",
         action="append",
         default=[],
@@ -234,6 +265,7 @@ def main(argv=None) -> int:
         compile=args.compile,
         seed=args.seed,
         dtype=args.dtype,
+        prefix_caching=args.enable_prefix_caching,
     )
     for r in generate(llm, prompts, args.max_tokens, args.temperature, args.seed):
         if args.json:

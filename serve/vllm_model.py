@@ -8,10 +8,15 @@ and writes its page through the forward context's `LinearAttentionMetadata`:
     tokens of a step:  [decode tokens (one per sequence) | prefill tokens, sequence after sequence]
     decodes:  gather pages -> O(1) step -> scatter pages (batched)
     prefills: per sequence, the chunked form from its page (zeros when the sequence starts,
-              the saved state when vLLM continues a chunked prefill) -> write the final state
+              the saved state when vLLM continues a chunked prefill or, with prefix caching,
+              starts after a cached prefix: seq_len > query_len) -> write the final state
 
 A sequence's first step can be a "decode" (a 1-token prompt): its page still holds an old
 sequence's state, so rows with seq_len == 1 start from zeros.
+
+With prefix caching (vLLM's `align` mode) `state_indices_tensor` names the page of the block that
+holds each sequence's last token; vLLM copies states between pages itself (before the step, with
+the copy functions of `LaplaceVLLMForCausalLM.get_mamba_state_copy_func`), so the layer is the same.
 
 The math is `serve/modeling_laplace.py`'s (same modules, the kernels of `serve/kernels.py`);
 sizes and state shapes come from `laplace_spec.config` (`hf_config.laplace_config`); parameter
@@ -30,7 +35,16 @@ from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.mamba.abstract import MambaBase
-from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateCopyFunc,
+    get_conv_copy_spec,
+    get_temporal_copy_spec,
+)
+from vllm.model_executor.models.interfaces import (
+    HasInnerState,
+    IsAttentionFree,
+    SupportsMambaPrefixCaching,
+)
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
@@ -207,8 +221,15 @@ class LaplaceVLLMModel(nn.Module):
         return self.norm(x)
 
 
-class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
-    """Registered as architecture `LaplaceForCausalLM` (serve/vllm_plugin.py)."""
+class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching):
+    """Registered as architecture `LaplaceForCausalLM` (serve/vllm_plugin.py).
+
+    Prefix caching (vLLM's `align` mode, `--enable-prefix-caching`): vLLM keeps a sequence's
+    running state in the page of the block holding its last token and copies it to the next
+    block's page when a step crosses a block boundary; the page left behind at a prompt's last
+    block boundary stays cached under that prefix's hash. On a hit vLLM copies the cached page
+    into the new sequence's running page, and the mixer continues from it (seq_len > query_len).
+    """
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
@@ -218,6 +239,12 @@ class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
         return (f32, f32)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls) -> tuple[MambaStateCopyFunc, MambaStateCopyFunc]:
+        """How vLLM copies one page's states, in `get_state_shape()` order: the GLA matrices as a
+        temporal state, the conv window [W, D] as a conv state (both whole, no speculation)."""
+        return get_temporal_copy_spec, get_conv_copy_spec
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
