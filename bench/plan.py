@@ -26,7 +26,8 @@ def main(argv=None) -> int:
     from train import config as train_config
     from train.plan import make_plan
 
-    recipe = ["micro_batch_size=64", *args.overrides]
+    # micro batch 64: 4 accumulation steps; GPT-2's end-of-text id: packed documents reset
+    recipe = ["micro_batch_size=64", "eot_id=50256", *args.overrides]
     cfg = train_config.resolve("laplace-3b", recipe, {})
     plan = make_plan(cfg, make_mesh(args.devices))
     print_table(plan)

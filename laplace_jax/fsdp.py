@@ -40,6 +40,7 @@ from laplace_jax.model import (
     LaplaceLM,
     LayerNorm,
     is_muon_path,
+    reset_after_eot,
 )
 from laplace_jax.sharding import FSDP
 
@@ -94,10 +95,19 @@ def fsdp_axis(spec: PartitionSpec) -> int | None:
 
 
 def make_loss_and_grad(
-    model: LaplaceLM, mesh: Mesh, param_specs, batch_spec: PartitionSpec, remat: str = "none"
+    model: LaplaceLM,
+    mesh: Mesh,
+    param_specs,
+    batch_spec: PartitionSpec,
+    remat: str = "none",
+    eot_id: int | None = None,
 ):
     """f(params, tokens [M, T + 1], mask=None) -> (mean next-token loss, gradients sharded like
     params). With `mask` [M, T] bool the mean is over the masked targets only.
+
+    `eot_id`: packed documents end with this token; every layer resets its GLA state and conv
+    window at the token after each one (reset [b, T] computed on device from the inputs by
+    `reset_after_eot`), so no document sees the one before it. None: no resets.
 
     `param_specs`: the PartitionSpec of every parameter (laplace_jax.sharding.param_specs);
     `batch_spec`: that of the token batch (its sequences split over the devices).
@@ -123,7 +133,7 @@ def make_loss_and_grad(
     def gather(params, path):
         return gather_weight(params[path], *gather_args(path))
 
-    def layer(x, stacked_shards):  # x: [b, T, D]; one layer's shards, sliced by the scan
+    def layer(x, stacked_shards, reset=None):  # x: [b, T, D]; one layer's shards; reset [b, T]
         weights = {p: gather_weight(stacked_shards[p], *layer_args[p]) for p in layer_args}
         b = x.shape[0]
         state = {
@@ -131,7 +141,8 @@ def make_loss_and_grad(
             "conv": jnp.zeros((b, *cfg.conv_state_shape), f32),
         }
         layer_params = traverse_util.unflatten_dict(weights, sep="/")
-        x, _ = DecoderLayer(cfg, model.unroll).apply({"params": layer_params}, x, state)
+        kw = {} if reset is None else {"reset": reset}
+        x, _ = DecoderLayer(cfg, model.unroll).apply({"params": layer_params}, x, state, **kw)
         return x, None
 
     if REMAT_POLICIES[remat] is not None:
@@ -144,7 +155,11 @@ def make_loss_and_grad(
         stacked = {  # [L, ...] per layer parameter: local shards only, no communication
             p: jnp.stack([shards[f"layer_{i}/{p}"] for i in range(L)]) for p in layer_args
         }
-        x, _ = jax.lax.scan(layer, x, stacked)  # [b, T, D]
+        if eot_id is None:
+            x, _ = jax.lax.scan(layer, x, stacked)  # [b, T, D]
+        else:  # document starts: the token after each EOT (reset [b, T] bool)
+            reset = reset_after_eot(inputs, eot_id)
+            x, _ = jax.lax.scan(lambda x, s: layer(x, s, reset), x, stacked)
         h = LayerNorm(cfg.norm_eps).apply({"params": {"scale": gather(shards, "ln_f/scale")}}, x)
         head = Dense(cfg.vocab_size, ("embed", "vocab"), cfg.init_std, dtype)
         logits = head.apply({"params": {"kernel": gather(shards, "lm_head/kernel")}}, h)

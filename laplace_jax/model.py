@@ -12,6 +12,11 @@ axis names, so sharding is a rules table (`laplace_jax/sharding.py`), not model 
 
 The recurrent state is a dict {"layer_{i}": {"gla": [B, H, dk, dv], "conv": [B, W, D]}} in fp32:
 the GLA matrices and the last W inputs of the causal convolution (see `init_state`).
+
+Packed documents: `model.apply(..., tokens, reset=reset)` with `reset` [B, T] bool, True where a
+new document starts (`reset_after_eot(tokens, eot_id)`: the token after each end-of-text). Before
+such a token every layer zeroes its GLA state and its conv window, so each document of a packed
+sequence gets exactly what a separate run of it from an empty state gives it (fp32 rounding).
 """
 
 from __future__ import annotations
@@ -89,18 +94,34 @@ class CausalConv(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, h, window):
-        # h: [B, T, D] new inputs; window: [B, W, D] the last W inputs before them (fp32).
+    def __call__(self, h, window, reset=None):
+        # h: [B, T, D] new inputs; window: [B, W, D] the last W inputs before them (fp32);
+        # reset: [B, T] bool or None, True where a document starts: the window forgets what
+        # came before that token (as if those inputs were the zeros before a sequence's start).
         D, W = h.shape[-1], self.width
         w = _param(self, "kernel", _normal(W**-0.5), (D, W), ("embed", "conv"))  # [D, W]
         b = _param(self, "bias", nn.initializers.zeros, (D,), ("norm",))  # [D]
         seq = jnp.concatenate([window.astype(h.dtype), h], axis=1)  # [B, W + T, D]
-        T = h.shape[1]
+        B, T = h.shape[:2]
+        if reset is None:
+            taps = [seq[:, 1 + j : 1 + j + T] for j in range(W)]
+            new_window = seq[:, -W:].astype(f32)  # the last W inputs
+        else:  # segment ids of seq (the old window is segment 0); taps of other segments are 0
+            seg = jnp.cumsum(reset, axis=1, dtype=jnp.int32)  # [B, T]
+            seg = jnp.concatenate([jnp.zeros((B, W), jnp.int32), seg], axis=1)  # [B, W + T]
+            own = seg[:, W:]  # [B, T], the segment of output t
+            taps = [
+                jnp.where(
+                    (seg[:, 1 + j : 1 + j + T] == own)[..., None], seq[:, 1 + j : 1 + j + T], 0
+                )
+                for j in range(W)
+            ]
+            last = (seg[:, -W:] == seg[:, -1:])[..., None]  # [B, W, 1], the last document's
+            new_window = jnp.where(last, seq[:, -W:], 0).astype(f32)
         # output t (0-based among the new tokens) sees seq[t + 1 .. t + W]
         u = b.astype(self.dtype) + sum(
-            w[:, j].astype(self.dtype) * seq[:, 1 + j : 1 + j + T] for j in range(W)
+            w[:, j].astype(self.dtype) * taps[j] for j in range(W)
         )  # [B, T, D]
-        new_window = seq[:, -W:].astype(f32)  # the last W inputs
         return nn.silu(u), new_window
 
 
@@ -126,8 +147,9 @@ class DecoderLayer(nn.Module):
     unroll: bool = False  # static unroll of the chunk scan (Neuron)
 
     @nn.compact
-    def __call__(self, x, state, decode: bool = False):
-        # x: [B, T, D]; state: {"gla": [B, H, dk, dv], "conv": [B, W, D]}; decode: T == 1 step
+    def __call__(self, x, state, decode: bool = False, reset=None):
+        # x: [B, T, D]; state: {"gla": [B, H, dk, dv], "conv": [B, W, D]}; decode: T == 1 step;
+        # reset: [B, T] bool or None, document starts (GLA state and conv window zeroed before)
         cfg = self.config
         B, T, D = x.shape
         H, dk, dv, F = cfg.n_heads, cfg.d_k, cfg.d_v, cfg.ffn_dim
@@ -136,7 +158,7 @@ class DecoderLayer(nn.Module):
 
         # 1-2. h = LayerNorm_1(x); u = SiLU(causal depth-wise conv(h))
         h = LayerNorm(cfg.norm_eps, name="ln_1")(x)
-        u, conv_window = CausalConv(cfg.conv_width, dtype, name="conv")(h, state["conv"])
+        u, conv_window = CausalConv(cfg.conv_width, dtype, name="conv")(h, state["conv"], reset)
 
         # 3. [q, k, v, g] = u W_qkvg^T
         qkvg = Dense(cfg.qkvg_dim, ("embed", "qkvg"), D**-0.5, dtype, name="qkvg")(u)
@@ -148,7 +170,8 @@ class DecoderLayer(nn.Module):
         # 4. GLA with the fixed decay schedule (not a parameter)
         log_decay = jnp.asarray(cfg.log_decay(), f32)  # [H]
         if decode:  # the O(1) recurrent step
-            o, gla_state = gla_step(q[:, 0], k[:, 0], v[:, 0], log_decay, state["gla"])
+            r = None if reset is None else reset[:, 0]
+            o, gla_state = gla_step(q[:, 0], k[:, 0], v[:, 0], log_decay, state["gla"], reset=r)
             o = o[:, None]  # [B, 1, H, dv]
         else:
             o, gla_state = gla_chunked(
@@ -159,6 +182,7 @@ class DecoderLayer(nn.Module):
                 chunk_size=cfg.chunk_size,
                 initial_state=state["gla"],
                 unroll=self.unroll,
+                reset=reset,
             )  # [B, T, H, dv]
 
         # 5. self-augmentation: o_t += sigmoid(sum_i q_i a_i k_i) v_t (a = 0: half-strength skip)
@@ -202,25 +226,37 @@ class LaplaceLM(nn.Module):
             cfg.vocab_size, ("embed", "vocab"), cfg.init_std, jnp.dtype(cfg.compute_dtype)
         )
 
-    def _run(self, tokens, state, decode):
+    def _run(self, tokens, state, decode, reset=None):
         cfg = self.config
         if state is None:
             state = init_state(cfg, tokens.shape[0])
         x = self.embed(tokens).astype(jnp.dtype(cfg.compute_dtype))  # [B, T, D]
         new_state = {}
+        kw = {} if reset is None else {"reset": reset}
         for i, layer in enumerate(self.layers):
-            x, new_state[f"layer_{i}"] = layer(x, state[f"layer_{i}"], decode)
+            x, new_state[f"layer_{i}"] = layer(x, state[f"layer_{i}"], decode, **kw)
         logits = self.lm_head(self.ln_f(x)).astype(f32)  # [B, T, V]
         return logits, new_state
 
-    def __call__(self, tokens, state=None):
-        """Full sequence or prefill from `state`. tokens: [B, T] -> ([B, T, V], state)."""
-        return self._run(tokens, state, decode=False)
+    def __call__(self, tokens, state=None, reset=None):
+        """Full sequence or prefill from `state`. tokens: [B, T] -> ([B, T, V], state).
+
+        reset: [B, T] bool or None, True where a packed document starts (`reset_after_eot`);
+        a reset at position 0 discards `state`."""
+        return self._run(tokens, state, decode=False, reset=reset)
 
     def decode_step(self, tokens, state):
         """One token per sequence. tokens: [B] -> (logits [B, V], state)."""
         logits, state = self._run(tokens[:, None], state, decode=True)
         return logits[:, 0], state
+
+
+def reset_after_eot(tokens, eot_id: int):
+    """Document starts of packed token sequences: tokens [B, T] -> reset [B, T] bool, True at
+    every token that follows the end-of-text token `eot_id` (that token starts a new document;
+    the EOT itself ends the previous one). Position 0 is False: what precedes it is unknown."""
+    after = tokens[:, :-1] == eot_id  # [B, T - 1]
+    return jnp.concatenate([jnp.zeros_like(after[:, :1]), after], axis=1)
 
 
 # ---- parameters and state ----------------------------------------------------------------

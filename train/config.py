@@ -41,15 +41,25 @@ class TrainConfig:
     init_on_host: bool = False
     sample_tokens: int = 48  # greedy tokens printed at the end; 0 = none
     sample_prompt: str = "def "  # prompt of that sample
+    # packed documents: reset the GLA state and conv window at the token after each end-of-text
+    # token (laplace_jax/fsdp.py). auto: on when the data's EOT id is known (eot_id, or the
+    # eot_id of the shards' meta.json, as train/prepare.py writes it); on (an EOT id required);
+    # off. eot_id: -1 = from the data.
+    doc_reset: str = "auto"
+    eot_id: int = -1
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.type in ("int", "float") and v < 0:
+            if f.type in ("int", "float") and v < 0 and f.name != "eot_id":
                 raise ConfigError(f"{f.name} must be >= 0, got {v!r}")
         for name in ("steps", "global_batch_tokens", "log_every", "keep_checkpoints"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.doc_reset not in ("auto", "on", "off"):
+            raise ConfigError(f"doc_reset must be auto, on or off, got {self.doc_reset!r}")
+        if self.eot_id < -1:
+            raise ConfigError(f"eot_id must be >= 0 (or -1: from the data), got {self.eot_id}")
         if self.remat not in REMAT_POLICIES:
             raise ConfigError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {self.remat!r}")
 

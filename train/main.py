@@ -237,7 +237,8 @@ def set_up(args) -> Trainer:
         batches, val_batches, train_tokens = build_pipeline(cfg, layout, train_paths, val_paths)
     else:
         batches, val_batches, train_tokens = task_pipeline(cfg, layout, task)
-    parts = build_model(cfg, mesh, masked=task is not None)
+    eot_id = doc_reset_eot(cfg.train, train_paths, task is not None, say)
+    parts = build_model(cfg, mesh, masked=task is not None, eot_id=eot_id)
     if args.restart:  # asked for, and the rest of the set-up is valid
         restart_aside(run_dir, ckpt_dir, say)
     ckpt = Checkpointer(ckpt_dir, cfg.train.keep_checkpoints, cfg.train.async_checkpoints)
@@ -382,8 +383,32 @@ def task_pipeline(cfg: RunConfigs, layout, task):
     return batches, [], cfg.train.steps * B * cfg.model.seq_len
 
 
-def build_model(cfg: RunConfigs, mesh, masked: bool = False) -> dict[str, Any]:
-    """The model's shardings, abstract state, optimizer and the jitted steps."""
+def doc_reset_eot(train_cfg, train_paths, is_task: bool, say=print) -> int | None:
+    """The end-of-text id the model resets its state after (TrainConfig doc_reset, eot_id), or
+    None: no resets. An eot_id of -1 is read from meta.json beside the first training shard
+    (train/prepare.py writes it; the default corpus has one)."""
+    if train_cfg.doc_reset == "off" or is_task:  # task sequences are single documents
+        return None
+    eot = train_cfg.eot_id if train_cfg.eot_id >= 0 else None
+    if eot is None and train_paths:
+        meta = Path(train_paths[0]).parent / "meta.json"
+        try:
+            eot = json.loads(meta.read_text()).get("eot_id")
+        except (OSError, ValueError):
+            eot = None
+    if eot is None:
+        if train_cfg.doc_reset == "on":
+            raise ConfigError("doc_reset=on needs an EOT id: set eot_id=N (no meta.json eot_id)")
+        return None
+    say(f"note: document resets on: state zeroed after each end-of-text token (id {eot})")
+    return int(eot)
+
+
+def build_model(
+    cfg: RunConfigs, mesh, masked: bool = False, eot_id: int | None = None
+) -> dict[str, Any]:
+    """The model's shardings, abstract state, optimizer and the jitted steps (`eot_id`: reset
+    the state after each such token, packed documents)."""
     from laplace_jax.model import LaplaceLM, abstract_params
     from laplace_jax.sharding import param_shardings
     from train.step import make_eval_step, make_train_step
@@ -404,6 +429,7 @@ def build_model(cfg: RunConfigs, mesh, masked: bool = False) -> dict[str, Any]:
         lr_schedule=lr_schedule,
         remat=cfg.train.remat,
         masked=masked,
+        eot_id=eot_id,
     )
     return {
         "tx": tx,
@@ -413,7 +439,7 @@ def build_model(cfg: RunConfigs, mesh, masked: bool = False) -> dict[str, Any]:
         "abs_params": abs_params,
         "abs_opt": abs_opt,
         "train_step": train_step,
-        "eval_step": make_eval_step(model, mesh, p_shard),
+        "eval_step": make_eval_step(model, mesh, p_shard, eot_id),
     }
 
 

@@ -103,7 +103,9 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
 
     m, n = cfg.model, mesh.size
     B, A, M = batch_layout(cfg.train, m.seq_len, n)
-    parts = build_model(cfg, mesh)
+    t = cfg.train  # packed documents: the plan compiles the resets a run on such data makes
+    eot_id = t.eot_id if t.doc_reset != "off" and t.eot_id >= 0 else None
+    parts = build_model(cfg, mesh, eot_id=eot_id)
     abs_params = parts["abs_params"]
     tokens = lambda shape, axes: jax.ShapeDtypeStruct(  # noqa: E731
         shape, jnp.int32, sharding=logical_sharding(mesh, axes) if axes else replicated(mesh)

@@ -23,7 +23,7 @@ import optax
 from jax.sharding import Mesh
 
 from laplace_jax.fsdp import make_loss_and_grad
-from laplace_jax.model import LaplaceLM
+from laplace_jax.model import LaplaceLM, reset_after_eot
 from laplace_jax.sharding import logical_sharding, replicated
 
 # Logical axes of the token batches (the rules table in laplace_jax/sharding.py places them).
@@ -31,9 +31,12 @@ TRAIN_BATCH_AXES = ("accum", "batch", "length")  # [A, M, T + 1]
 EVAL_BATCH_AXES = ("batch", "length")  # [M, T + 1]
 
 
-def loss_fn(model: LaplaceLM, params, tokens):
-    """Mean next-token cross-entropy of tokens [B, T + 1] (inputs [:, :-1], targets [:, 1:])."""
-    logits, _ = model.apply({"params": params}, tokens[:, :-1])  # [B, T, V] fp32
+def loss_fn(model: LaplaceLM, params, tokens, eot_id: int | None = None):
+    """Mean next-token cross-entropy of tokens [B, T + 1] (inputs [:, :-1], targets [:, 1:]).
+    `eot_id`: reset the model's state at the token after each end-of-text (packed documents)."""
+    inputs = tokens[:, :-1]
+    kw = {} if eot_id is None else {"reset": reset_after_eot(inputs, eot_id)}  # [B, T]
+    logits, _ = model.apply({"params": params}, inputs, **kw)  # [B, T, V] fp32
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
@@ -47,11 +50,13 @@ def make_train_step(
     lr_schedule=None,
     remat: str = "none",
     masked: bool = False,
+    eot_id: int | None = None,
 ):
     """jit(step)(state, batch [A, B, T + 1]) -> (state, metrics), with explicit shardings.
 
     `masked`: the step is jit(step)(state, batch, mask [A, B, T] bool) and each micro-batch's
     loss counts only the masked targets (the answer positions of the tasks in train/tasks.py).
+    `eot_id`: packed documents; the model resets its state after each such token (fsdp.py).
 
     Each micro-batch's loss and gradient come from `laplace_jax.fsdp` (weights gathered layer by
     layer, gradients reduce-scattered in fp32; `remat` is its policy for the backward).
@@ -67,7 +72,7 @@ def make_train_step(
     repl = replicated(mesh)
     specs = jax.tree.map(lambda s: s.spec, param_shardings)
     batch_spec = logical_sharding(mesh, EVAL_BATCH_AXES).spec  # one micro-batch [M, T + 1]
-    grad_fn = make_loss_and_grad(model, mesh, specs, batch_spec, remat)
+    grad_fn = make_loss_and_grad(model, mesh, specs, batch_spec, remat, eot_id)
 
     def step(state, batch, mask=None):
         params = state["params"]
@@ -137,10 +142,10 @@ def schedule_count(opt_state):
     raise ValueError("the optimizer state has no learning-rate schedule (no ScaleByScheduleState)")
 
 
-def make_eval_step(model: LaplaceLM, mesh: Mesh, param_shardings):
-    """jit(loss)(params, tokens [B, T + 1]) -> mean loss."""
+def make_eval_step(model: LaplaceLM, mesh: Mesh, param_shardings, eot_id: int | None = None):
+    """jit(loss)(params, tokens [B, T + 1]) -> mean loss (`eot_id`: as in `loss_fn`)."""
     return jax.jit(
-        lambda p, t: loss_fn(model, p, t),
+        lambda p, t: loss_fn(model, p, t, eot_id),
         in_shardings=(param_shardings, logical_sharding(mesh, EVAL_BATCH_AXES)),
         out_shardings=replicated(mesh),
     )
