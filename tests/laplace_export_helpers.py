@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import socket
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -83,3 +86,34 @@ def make_run(run_dir: Path, cfg, params) -> Path:
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict()))
     write_checkpoint(run_dir / "checkpoints", params, cfg)
     return run_dir
+
+
+def export_tiny(root: Path, seed: int):
+    """(cfg, params, export folder): the tiny model with random weights, exported with its
+    tokenizer under `root` (what the vLLM tests serve)."""
+    from export import exporter
+
+    cfg = tiny_config()
+    params = random_params(cfg, seed=seed)
+    tok = write_tokenizer(root / "tok", cfg.vocab_size)
+    out = exporter.export_model(cfg, params, root / "model", tokenizer_dir=tok, max_len=1024)
+    return cfg, params, out
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a test server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post_json(url, body, timeout=120) -> tuple[int, str]:
+    """POST `body` as JSON: (HTTP status, response text), error statuses included."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()

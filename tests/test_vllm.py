@@ -10,7 +10,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from laplace_export_helpers import random_params, tiny_config, write_tokenizer
+from laplace_export_helpers import export_tiny, free_port, post_json
 
 N_NEW = 48
 REPO = Path(__file__).resolve().parents[1]
@@ -33,14 +32,7 @@ ENV = {
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from export import exporter
-
-    cfg = tiny_config()
-    params = random_params(cfg, seed=1)
-    root = tmp_path_factory.mktemp("vllm")
-    tok = write_tokenizer(root / "tok", cfg.vocab_size)
-    out = exporter.export_model(cfg, params, root / "model", tokenizer_dir=tok, max_len=1024)
-    return cfg, params, out
+    return export_tiny(tmp_path_factory.mktemp("vllm"), seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -173,26 +165,9 @@ def test_cli_offline_json(exported, prompts, reference):
 SERVER_MAX_LEN = 128
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(url, body, timeout=120):
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 @pytest.fixture(scope="module")
 def server(exported):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, **ENV}
     cmd = [sys.executable, "-m", "serve.vllm_adapter", "--model", str(exported[2]),
            "--port", str(port), "--max-model-len", str(SERVER_MAX_LEN),
@@ -229,7 +204,7 @@ def test_server_completion_matches_greedy(server, prompts, reference):
     base, _ = server
     body = {"model": "laplace-tiny", "prompt": prompts[2], "max_tokens": 12, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-    status, text = _post(base + "/v1/completions", body)
+    status, text = post_json(base + "/v1/completions", body)
     assert status == 200, text
     choice = json.loads(text)["choices"][0]
     assert choice["token_ids"] == reference[2][:12]
@@ -239,11 +214,11 @@ def test_server_text_prompt_and_stream(server):
     base, _ = server
     body = {"model": "laplace-tiny", "prompt": "the lazy dog", "max_tokens": 6,
             "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-    status, text = _post(base + "/v1/completions", body)
+    status, text = post_json(base + "/v1/completions", body)
     assert status == 200, text
     full = json.loads(text)["choices"][0]
     assert len(full["token_ids"]) == 6
-    status, text = _post(base + "/v1/completions", {**body, "stream": True})
+    status, text = post_json(base + "/v1/completions", {**body, "stream": True})
     assert status == 200, text
     events = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -264,9 +239,9 @@ def test_server_text_prompt_and_stream(server):
 )
 def test_server_rejects_bad_requests_and_keeps_serving(server, bad):
     base, proc = server
-    status, text = _post(base + "/v1/completions", {"model": "laplace-tiny", **bad})
+    status, text = post_json(base + "/v1/completions", {"model": "laplace-tiny", **bad})
     assert 400 <= status < 500, (status, text)
-    status, _ = _post(
+    status, _ = post_json(
         base + "/v1/completions", {"model": "laplace-tiny", "prompt": [3, 4], "max_tokens": 2}
     )
     assert status == 200 and proc.poll() is None

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from laplace_export_helpers import random_params, tiny_config, write_tokenizer
+from laplace_export_helpers import export_tiny, free_port, post_json
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -31,13 +31,7 @@ MESSAGE = 50
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from export import exporter
-
-    cfg = tiny_config()
-    params = random_params(cfg, seed=2)
-    root = tmp_path_factory.mktemp("vllm_prefix")
-    tok = write_tokenizer(root / "tok", cfg.vocab_size)
-    out = exporter.export_model(cfg, params, root / "model", tokenizer_dir=tok, max_len=1024)
+    cfg, _, out = export_tiny(tmp_path_factory.mktemp("vllm_prefix"), seed=2)
     return cfg, out
 
 
@@ -185,29 +179,10 @@ def test_engine_kwargs_and_server_argv(exported, monkeypatch):
 # ---- the server, started as the issue's user did ---------------------------------------------
 
 
-def _post(url, body, timeout=120):
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_with_vllm_prefix_caching_flag_serves_a_conversation(exported, torch_model):
     """`--vllm-arg=--enable-prefix-caching` used to kill the engine on the first request."""
     cfg, out = exported
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "serve.vllm_adapter", "--model", str(out), "--port", str(port),
            "--max-model-len", "1024", "--max-num-seqs", "4", "--served-model-name", "tiny",
            "--vllm-arg=--enable-prefix-caching"]  # fmt: skip
@@ -234,7 +209,7 @@ def test_server_with_vllm_prefix_caching_flag_serves_a_conversation(exported, to
         for turn in range(3):
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0,
                     "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-            status, text = _post(base + "/v1/completions", body)
+            status, text = post_json(base + "/v1/completions", body)
             assert status == 200, (turn, text, log_path.read_text()[-3000:])
             toks = json.loads(text)["choices"][0]["token_ids"]
             assert toks == _reference(torch_model, prompt, 16), turn

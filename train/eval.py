@@ -65,24 +65,25 @@ class EvalError(ValueError):
 # ---- command line ---------------------------------------------------------------------------
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
-    if not out:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return out
+def _numbers(kind, what: str):
+    """An argparse type: comma-separated numbers of `kind` (int or float), at least one."""
+
+    def parse(text: str) -> list:
+        try:
+            out = [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {what}s, got {text!r}"
+            ) from e
+        if not out:
+            raise argparse.ArgumentTypeError(f"expected at least one {what}")
+        return out
+
+    return parse
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        out = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
-    if not out:
-        raise argparse.ArgumentTypeError("expected at least one number")
-    return out
+_ints = _numbers(int, "integer")
+_floats = _numbers(float, "number")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
