@@ -8,6 +8,9 @@ Folder layout written by `export_model`:
     model-00001-of-0000N.safetensors + model.safetensors.index.json
     tokenizer.json, tokenizer_config.json, generation_config.json (copied or written)
     export_meta.json               where it came from (checkpoint dir, step, dtype)
+    config.py, names.py, kernels.py,     Hugging Face remote code (`REMOTE_CODE`): config.json's
+    configuration_laplace.py,            `auto_map` names the two classes, so any transformers
+    modeling_laplace.py                  process loads the folder with trust_remote_code=True
 
 Only `read_checkpoint` touches orbax (imported lazily); the rest is numpy (and flax's
 `flatten_dict`), so the checks and the writer are testable and reusable without a checkpoint.
@@ -15,8 +18,10 @@ Only `read_checkpoint` touches orbax (imported lazily); the rest is numpy (and f
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import re
 import shutil
 import struct
 from collections.abc import Mapping
@@ -227,8 +232,58 @@ def hf_config(
         # The state is fixed-size, so any length is servable; this is the serving limit.
         "max_position_embeddings": int(max_len),
         "tie_word_embeddings": False,
+        "auto_map": dict(AUTO_MAP),  # the remote code beside config.json (`write_remote_code`)
         **{k: v for k, v in token_ids.items() if v is not None},
     }
+
+
+# ---- Hugging Face remote code ------------------------------------------------------------------
+#
+# The serving modules, copied into the folder so that a process without this package loads it
+# (`AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`, lm-eval's `hf` backend).
+# Each keeps its file name; its imports of this repo's packages (`from laplace_spec.config import
+# X`, `from serve.kernels import Y`) become imports of the sibling file (`from .config import X`),
+# the form transformers' dynamic-module loader follows. Nothing else in the files changes.
+
+REMOTE_CODE = (  # module -> <name>.py in the folder (the names must stay distinct)
+    "laplace_spec.config",
+    "laplace_spec.names",
+    "serve.kernels",
+    "serve.configuration_laplace",
+    "serve.modeling_laplace",
+)
+AUTO_MAP = {
+    "AutoConfig": "configuration_laplace.LaplaceHFConfig",
+    "AutoModelForCausalLM": "modeling_laplace.LaplaceForCausalLM",
+}
+_PACKAGE_IMPORT = re.compile(r"^(\s*)from (?:laplace_spec|serve)\.(\w+) import ", re.MULTILINE)
+_ANY_PACKAGE_IMPORT = re.compile(r"^\s*(?:from|import) (?:laplace_spec|serve)\b.*$", re.MULTILINE)
+
+
+def remote_code_source(module: str) -> str:
+    """`module`'s source with its package imports made relative (see `REMOTE_CODE`)."""
+    spec = importlib.util.find_spec(module)  # the file only: nothing of it is executed
+    text = Path(spec.origin).read_text()
+    local = {m.rsplit(".", 1)[1] for m in REMOTE_CODE}
+    for m in _PACKAGE_IMPORT.finditer(text):
+        if m.group(2) not in local:
+            raise ExportError(f"{module} imports {m.group(0).split()[1]}, not in REMOTE_CODE")
+    text = _PACKAGE_IMPORT.sub(r"\1from .\2 import ", text)
+    left = _ANY_PACKAGE_IMPORT.findall(text)
+    if left:  # e.g. `from laplace_spec import names`: transformers would not copy names.py
+        raise ExportError(f"{module}: write package imports as `from pkg.mod import X`: {left}")
+    origin = module.replace(".", "/") + ".py"
+    return f"# {origin}, copied by export/exporter.py (package imports made relative)\n" + text
+
+
+def write_remote_code(out_dir: Path) -> list[str]:
+    """Copy the `REMOTE_CODE` modules into the folder; returns the file names written."""
+    written = []
+    for module in REMOTE_CODE:
+        fname = module.rsplit(".", 1)[1] + ".py"
+        (out_dir / fname).write_text(remote_code_source(module))
+        written.append(fname)
+    return written
 
 
 def find_tokenizer_dir(checkpoint_dir: Path, meta: Mapping | None) -> Path | None:
@@ -298,6 +353,7 @@ def export_model(
         ids = copy_tokenizer(Path(tokenizer_dir), out_dir)
     config = hf_config(cfg, dtype, ids, max_len or max(65_536, cfg.seq_len))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_remote_code(out_dir)
     meta = {"dtype": dtype, "n_tensors": len(tensors), **dict(source or {})}
     (out_dir / "export_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out_dir

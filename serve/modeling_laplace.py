@@ -42,8 +42,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from laplace_spec import names
 from laplace_spec.config import LaplaceConfig
+from laplace_spec.names import WeightError, check_tensors
 from serve.configuration_laplace import LaplaceHFConfig
 from serve.kernels import causal_conv, gla_chunked, gla_step, layer_norm
 
@@ -269,9 +269,7 @@ class LaplaceForCausalLM(LaplacePreTrainedModel, GenerationMixin):
         self.lm_head = LaplaceLinear(spec.d_model, spec.vocab_size)
         self.post_init()
         ours = {n: tuple(p.shape) for n, p in self.named_parameters()}
-        names.check_tensors(
-            spec, ours, side="LaplaceForCausalLM parameters vs laplace_spec/names.py"
-        )
+        check_tensors(spec, ours, side="LaplaceForCausalLM parameters vs laplace_spec/names.py")
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
@@ -388,7 +386,7 @@ class LaplaceForCausalLM(LaplacePreTrainedModel, GenerationMixin):
         config = LaplaceHFConfig.from_dict(json.loads((path / "config.json").read_text()))
         tensors = load_safetensors_folder(path)
         shapes = {k: tuple(v.shape) for k, v in tensors.items()}
-        names.check_tensors(config.laplace_config, shapes, side=str(path))
+        check_tensors(config.laplace_config, shapes, side=str(path))
         with torch.device("meta"):
             model = cls(config)
         model = model.to_empty(device="cpu")
@@ -409,7 +407,7 @@ def load_safetensors_folder(path: Path) -> dict[str, torch.Tensor]:
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise names.WeightError(f"{path}: no model.safetensors nor model.safetensors.index.json")
+        raise WeightError(f"{path}: no model.safetensors nor model.safetensors.index.json")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update(load_file(str(path / f)))
