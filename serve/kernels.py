@@ -108,3 +108,127 @@ def gla_chunked(q, k, v, log_decay, state, scale, chunk_size):
     o = o + torch.stack(inter, dim=2)  # inter-chunk: scale (Q_c lambda^(i+1)) S_{c-1}
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
     return o, state
+
+
+# ---- variable-length forms: many sequences packed end to end (vLLM's prefill steps) -----------
+#
+# Tokens of P sequences lie end to end in one flat [T, ...] tensor; `cu_seqlens` [P + 1] holds
+# the boundaries (sequence s is tokens cu[s] .. cu[s+1] - 1, flash-linear-attention's
+# `cu_seqlens`). Each sequence starts from its own state (a conv window, a GLA state), and
+# nothing crosses a boundary. Equal to the single-sequence forms run one sequence at a time.
+
+
+def _segments(cu: torch.Tensor, T: int):
+    """cu [P + 1] -> (seg [T]: each token's sequence, pos [T]: its position in the sequence)."""
+    P = cu.shape[0] - 1
+    lens = cu[1:] - cu[:-1]  # [P]
+    seg = torch.repeat_interleave(torch.arange(P, device=cu.device), lens, output_size=T)
+    return seg, torch.arange(T, device=cu.device) - cu[seg]
+
+
+def causal_conv_varlen(h, windows, cu_seqlens, weight, bias):
+    """`causal_conv` over packed sequences, each continuing its own window.
+
+    h: [T, D] the new inputs of P sequences end to end; windows: [P, W, D] each sequence's
+    last W inputs before them (fp32); cu_seqlens: [P + 1]; weight: [D, W]; bias: [D].
+    Returns (u [T, D], new windows [P, W, D] fp32). A sequence shorter than W keeps part of
+    its old window, as in `causal_conv`.
+
+    Layout: one buffer holding [window_0 | h_0 | window_1 | h_1 | ...] ([T + P W, D]); token t
+    of sequence s sits at row e_t = t + (s + 1) W, and its output reads rows e_t - W + 1 .. e_t.
+    """
+    T, D = h.shape
+    P, W = windows.shape[0], weight.shape[1]
+    cu = cu_seqlens.to(device=h.device, dtype=torch.long)
+    seg, _ = _segments(cu, T)
+    row = torch.arange(T, device=h.device) + (seg + 1) * W  # [T] e_t
+    taps = torch.arange(W, device=h.device)  # [W]
+    win_rows = ((cu[:-1] + torch.arange(P, device=h.device) * W)[:, None] + taps).flatten()
+    buf = h.new_empty(T + P * W, D)
+    buf.index_copy_(0, row, h)
+    buf.index_copy_(0, win_rows, windows.reshape(P * W, D).to(h.dtype))
+    # every row e >= W - 1 of the buffer from rows e - W + 1 .. e (shifted views, as in
+    # `causal_conv`), then the token rows; the P W extra rows cost little
+    R = T + P * W - (W - 1)
+    acc = weight[:, 0] * buf[:R]  # [R, D], row r is the output at e = r + W - 1
+    for j in range(1, W):
+        acc = acc + weight[:, j] * buf[j : j + R]
+    acc = acc.index_select(0, row - (W - 1))  # [T, D]
+    ends = cu[1:] + (torch.arange(P, device=h.device) + 1) * W  # [P] one past each segment
+    new = buf.index_select(0, ((ends - W)[:, None] + taps).flatten()).view(P, W, D)
+    return F.silu(bias + acc), new.to(f32)
+
+
+def gla_chunked_varlen(q, k, v, log_decay, initial_states, cu_seqlens, scale, chunk_size):
+    """`gla_chunked` over packed sequences (DESIGN.md s3), each from its own initial state.
+
+    q, k: [T, H, K]; v: [T, H, V]; log_decay: [H]; initial_states: [P, H, K, V] fp32;
+    cu_seqlens: [P + 1]. Returns (o [T, H, V] fp32, final states [P, H, K, V] fp32).
+
+    Each sequence is cut into its own chunks of C tokens from its first token (its last chunk
+    holds L <= C valid tokens, the rest are zero rows with no decay), and all N chunks of the
+    step are laid out chunk-major with the sequences sorted by chunk count, longest first:
+
+        [chunk 0 of every sequence | chunk 1 of those with >= 2 chunks | ...]
+
+    so the intra-chunk products are one batch over the N chunks, and the sequential carry is a
+    loop over chunk numbers c = 0 .. Nmax-1 whose live sequences are a prefix of the state batch.
+    """
+    T, H, K = q.shape
+    V, C, P = v.shape[-1], chunk_size, initial_states.shape[0]
+    dev = q.device
+    state = initial_states.to(f32)
+    if T == 0 or P == 0:
+        return q.new_zeros(T, H, V, dtype=f32), state.clone()
+    cu = cu_seqlens.to(device=dev, dtype=torch.long)
+    lens = cu[1:] - cu[:-1]  # [P]
+    n_chunks = (lens + C - 1) // C  # [P]
+    order = torch.argsort(n_chunks, descending=True, stable=True)  # [P] longest first
+    n_max = int(n_chunks[order[0]])
+    live = torch.arange(n_max, device=dev)[:, None] < n_chunks[order][None, :]  # [Nmax, P]
+    per_step = live.sum(1).tolist()  # sequences with a chunk c, for c = 0 .. Nmax-1
+    c_of, r_of = live.nonzero(as_tuple=True)  # [N] chunk-major: chunk number, rank in `order`
+    s_of = order[r_of]  # [N] each chunk's sequence
+    L = torch.clamp(lens[s_of] - c_of * C, max=C)  # [N] valid tokens per chunk
+    jr = torch.arange(C, device=dev)
+    valid = jr[None, :] < L[:, None]  # [N, C]
+    gamma = log_decay.to(f32)  # [H]
+    # token t of sequence s at position p: chunk offset[p // C] + rank[s], row p % C
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(P, device=dev)
+    offset = torch.tensor([0] + per_step[:-1], device=dev).cumsum(0)  # [Nmax]
+    seg, pos = _segments(cu, T)
+    t_chunk, t_row = offset[pos // C] + rank[seg], pos % C  # [T], [T]
+
+    def to_chunks(x):  # [T, H, X] -> [N, H, C, X], zeros past each sequence's end
+        out = x.new_zeros(len(s_of), H, C, x.shape[-1], dtype=f32)
+        out[t_chunk, :, t_row] = x.to(f32)
+        return out
+
+    qc, kc, vc = to_chunks(q), to_chunks(k), to_chunks(v)
+    i, j = jr.to(f32)[:, None], jr.to(f32)[None, :]
+    causal = i >= j
+    # M_ij = lambda^(i-j) on the lower triangle only (never lambda^(-j): it overflows)
+    M = torch.where(causal, torch.exp(gamma.view(H, 1, 1) * torch.where(causal, i - j, 0.0)), 0.0)
+    A = torch.einsum("nhik,nhjk->nhij", qc, kc) * scale * M[None]  # [N, H, C, C]
+    o = torch.einsum("nhij,nhjv->nhiv", A, vc)  # [N, H, C, V] intra-chunk
+
+    Lf = L.to(f32)[:, None]  # [N, 1]
+    k_exp = torch.where(valid, Lf - 1 - j, 0.0)  # [N, C]
+    k_decay = torch.where(valid[:, None], torch.exp(gamma[None, :, None] * k_exp[:, None]), 0.0)
+    kv = torch.einsum("nhjk,nhjv->nhkv", kc * k_decay[..., None], vc)  # [N, H, K, V]
+    chunk_decay = torch.exp(gamma[None, :] * Lf)[..., None, None]  # [N, H, 1, 1]: lambda^L
+    q_decay = torch.exp(gamma[:, None] * (i[:, 0] + 1.0)[None, :])  # [H, C]: lambda^(i+1)
+    qs = scale * qc * q_decay[None, ..., None]  # [N, H, C, K]
+
+    state = state.index_select(0, order)  # [P, H, K, V] in `order`
+    inter = torch.empty_like(o)
+    off = 0
+    for n_live in per_step:  # the sequential carry, all live sequences at once
+        c = slice(off, off + n_live)
+        S = state[:n_live]  # S_{c-1} of the live sequences
+        torch.matmul(qs[c], S, out=inter[c])  # [n_live, H, C, V]
+        state[:n_live] = chunk_decay[c] * S + kv[c]
+        off += n_live
+    o = (o + inter)[t_chunk, :, t_row]  # [T, H, V]
+    return o, torch.empty_like(state).index_copy_(0, order, state)

@@ -148,8 +148,8 @@ class LaplaceMixer(nn.Module):
         o, gla_state = self.mix(q, k, v, gla_state)
         return self.output(o, q, k, v, g), window, gla_state
 
-    # The steps, separately: the vLLM adapter runs the conv and the GLA per sequence but the
-    # projections once over all the tokens of a step.
+    # The steps, separately: the vLLM model runs the conv and the GLA in its own batched forms
+    # (decodes, variable-length prefills) and these projections once over all tokens of a step.
     def project(self, u):
         """u [..., D] -> q, k [..., H, dk]; v [..., H, dv]; g [..., H * dv]."""
         H, dk, dv = self.n_heads, self.d_k, self.d_v

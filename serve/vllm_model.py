@@ -6,10 +6,13 @@ which holds this layer's GLA matrices [H, dk, dv] and conv window [W, D] (fp32).
 and writes its page through the forward context's `LinearAttentionMetadata`:
 
     tokens of a step:  [decode tokens (one per sequence) | prefill tokens, sequence after sequence]
-    decodes:  gather pages -> O(1) step -> scatter pages (batched)
-    prefills: per sequence, the chunked form from its page (zeros when the sequence starts,
-              the saved state when vLLM continues a chunked prefill or, with prefix caching,
-              starts after a cached prefix: seq_len > query_len) -> write the final state
+    pages:    one gather of every sequence's page (zeros when the sequence starts in this
+              step; its saved state for a decode, a continued chunked prefill or, with prefix
+              caching, a start after a cached prefix: seq_len > query_len)
+    conv:     decodes batched; prefills all at once, each from its window (`causal_conv_varlen`)
+    GLA:      decodes: one batched O(1) step; prefills: one variable-length chunked pass
+              (`gla_chunked_varlen`, boundaries `query_start_loc`, no loop over sequences)
+    pages:    one scatter of every final state
 
 A sequence's first step can be a "decode" (a 1-token prompt): its page still holds an old
 sequence's state, so rows with seq_len == 1 start from zeros.
@@ -50,7 +53,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from laplace_spec import names
 from laplace_spec.config import LaplaceConfig
-from serve.kernels import causal_conv
+from serve.kernels import causal_conv, causal_conv_varlen, gla_chunked_varlen, gla_step
 from serve.modeling_laplace import LaplaceLayerNorm, LaplaceMixer, LaplaceMLP
 
 f32 = torch.float32
@@ -118,49 +121,56 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
             out.copy_(y[0])
             return
         gla_pages, conv_pages = self.kv_cache
-        nd, npf = meta.num_decodes, meta.num_prefills
-        n = meta.num_decode_tokens + meta.num_prefill_tokens  # beyond n: padding, left at 0
-        slots = meta.state_indices_tensor.long()
-        qsl = meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens.tolist()
+        nd, ns = meta.num_decodes, meta.num_decodes + meta.num_prefills
+        if ns == 0:
+            return
+        td = meta.num_decode_tokens  # one per decode row
+        n = td + meta.num_prefill_tokens  # beyond n: padding, left at 0
+        slots = meta.state_indices_tensor[:ns].long()  # [ns] each sequence's page
+        cu = meta.query_start_loc[: ns + 1].long()  # [ns + 1] token boundaries
+        # a sequence that starts in this step (seq_len == query_len) finds an old sequence's
+        # state in its page: it starts from zeros. Otherwise (a decode, a continued chunked
+        # prefill, a prefix-cache hit) its page holds its state so far.
+        fresh = meta.seq_lens[:ns].to(cu.device) == cu[1:] - cu[:-1]  # [ns]
+        # 1. one gather of every page of the step (a copy), read from here on
+        conv0 = conv_pages.index_select(0, slots).masked_fill_(fresh[:, None, None], 0.0)
+        gla0 = gla_pages.index_select(0, slots).masked_fill_(fresh[:, None, None, None], 0.0)
         w, b = self.conv_weight, self.conv_bias
-        dec = slots[:nd]
-        # a decode row with seq_len 1 is the first token of its sequence: its page is stale
-        fresh = (meta.seq_lens[:nd] <= 1).view(nd, 1, 1)
-        prefills = []  # (start, end, slot, starts_here)
-        for i in range(nd, nd + npf):
-            prefills.append((qsl[i], qsl[i + 1], int(slots[i]), seq_lens[i] == qsl[i + 1] - qsl[i]))
-
-        # 1. causal conv, per sequence (its window is in its page); decodes batched
-        us = []
+        log_decay = torch.tensor(self.log_decay, dtype=f32, device=h.device)
+        us, conv1, outs, gla1 = [], [], [], []
+        # 2. causal conv: decodes batched, all prefills at once, each from its window
         if nd:
-            u, conv = causal_conv(h[:nd, None], torch.where(fresh, 0.0, conv_pages[dec]), w, b)
-            conv_pages[dec] = conv
+            u, conv = causal_conv(h[:td, None], conv0[:nd], w, b)  # [nd, 1, D], [nd, W, D]
             us.append(u[:, 0])
-        for start, end, slot, new in prefills:
-            conv = conv_pages[slot : slot + 1]
-            u, conv = causal_conv(h[None, start:end], torch.zeros_like(conv) if new else conv, w, b)
-            conv_pages[slot] = conv[0]
-            us.append(u[0])
-        # 2. projections once over all tokens of the step
-        q, k, v, g = self.project(torch.cat(us))  # [n, H, dk], [n, H, dk], [n, H, dv], [n, H dv]
-        # 3. GLA, per sequence from its page; decodes batched (O(1) step)
-        os = []
+            conv1.append(conv)
+        if ns > nd:
+            u, conv = causal_conv_varlen(h[td:n], conv0[nd:], cu[nd:] - td, w, b)
+            us.append(u)  # [n - td, D]
+            conv1.append(conv)  # [ns - nd, W, D]
+        # 3. projections once over all tokens of the step
+        q, k, v, g = self.project(_cat(us))  # [n, H, dk], [n, H, dk], [n, H, dv], [n, H dv]
+        # 4. GLA: decodes batched (O(1) step), prefills in one variable-length chunked pass
         if nd:
-            gla = torch.where(fresh[..., None], 0.0, gla_pages[dec])
-            o, gla = self.mix(q[:nd, None], k[:nd, None], v[:nd, None], gla)
-            gla_pages[dec] = gla
-            os.append(o[:, 0])
-        for start, end, slot, new in prefills:
-            gla = gla_pages[slot : slot + 1]
-            o, gla = self.mix(
-                q[None, start:end], k[None, start:end], v[None, start:end],
-                torch.zeros_like(gla) if new else gla,
+            o, gla = gla_step(q[:td], k[:td], v[:td], log_decay, gla0[:nd], self.scale)
+            outs.append(o)  # [nd, H, dv]
+            gla1.append(gla)  # [nd, H, dk, dv]
+        if ns > nd:
+            o, gla = gla_chunked_varlen(
+                q[td:n], k[td:n], v[td:n], log_decay, gla0[nd:], cu[nd:] - td,
+                self.scale, self.chunk_size,
             )  # fmt: skip
-            gla_pages[slot] = gla[0]
-            os.append(o[0])
-        # 4. augmentation, head norm, gate, output projection over all tokens
-        out[:n] = self.output(torch.cat(os), q, k, v, g)
+            outs.append(o)  # [n - td, H, dv]
+            gla1.append(gla)  # [ns - nd, H, dk, dv]
+        # 5. one scatter of every page of the step
+        conv_pages.index_copy_(0, slots, _cat(conv1))
+        gla_pages.index_copy_(0, slots, _cat(gla1))
+        # 6. augmentation, head norm, gate, output projection over all tokens
+        out[:n] = self.output(_cat(outs), q, k, v, g)
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat without a copy for one part (a decode-only or prefill-only step)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def laplace_mixer(h: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:

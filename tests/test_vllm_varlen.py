@@ -1,0 +1,176 @@
+"""Batched (variable-length) prefill: the packed kernels and the vLLM path built on them.
+
+Kernel level: `gla_chunked_varlen` and `causal_conv_varlen` over sequences packed end to end
+(`cu_seqlens`) equal `gla_chunked` / `gla_recurrent` and `causal_conv` run one sequence at a
+time, outputs and final states, from random nonzero initial states (fp32, abs 1e-5 relative to
+the magnitude). Engine level: vLLM with its chunked prefill forced to 64 tokens a step (prompts
+continued across steps from their state pages) gives the greedy tokens of the PyTorch model.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from laplace_spec.config import PRESETS
+from serve.kernels import (
+    causal_conv,
+    causal_conv_varlen,
+    gla_chunked,
+    gla_chunked_varlen,
+    gla_recurrent,
+)
+
+TINY = PRESETS["tiny"]
+C = TINY.chunk_size  # 16
+# 1, C-1, C, C+1, several hundred, and short ones next to long ones (conv windows < W)
+LENGTHS = [1, C - 1, C, C + 1, 333, 2, 3 * C, 1, 5]
+
+
+def _close(got, want, rtol=1e-5):
+    err = (got - want).abs().max().item()
+    assert err <= rtol * max(1.0, want.abs().max().item()), err
+
+
+def _packed(lengths, seed):
+    torch.manual_seed(seed)
+    H, K, V, T = TINY.n_heads, TINY.d_k, TINY.d_v, sum(lengths)
+    q, k, v = torch.randn(T, H, K), torch.randn(T, H, K), torch.randn(T, H, V)
+    s0 = torch.randn(len(lengths), H, K, V)
+    cu = torch.tensor([0, *np.cumsum(lengths).tolist()])
+    return q, k, v, s0, cu
+
+
+@pytest.mark.parametrize("lengths", [LENGTHS, [C + 1], [7, 7, 7]])
+def test_gla_chunked_varlen_equals_per_sequence(lengths):
+    q, k, v, s0, cu = _packed(lengths, seed=len(lengths))
+    log_decay = torch.tensor(TINY.log_decay(), dtype=torch.float32)  # head 0: lambda = 0.5
+    scale = TINY.d_k**-0.5
+    o, s = gla_chunked_varlen(q, k, v, log_decay, s0, cu, scale, C)
+    assert o.shape == (sum(lengths), TINY.n_heads, TINY.d_v) and s.shape == s0.shape
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        args = (q[None, a:b], k[None, a:b], v[None, a:b], log_decay, s0[i : i + 1], scale)
+        o_ref, s_ref = gla_chunked(*args, C)
+        _close(o[a:b], o_ref[0])
+        _close(s[i], s_ref[0])
+        if b - a <= 2 * C + 1:  # the definition too (a token loop: short ones only)
+            o_def, s_def = gla_recurrent(*args)
+            _close(o[a:b], o_def[0])
+            _close(s[i], s_def[0])
+
+
+def test_causal_conv_varlen_equals_per_sequence():
+    torch.manual_seed(3)
+    D, W, T = TINY.d_model, TINY.conv_width, sum(LENGTHS)
+    h, w, b = torch.randn(T, D), torch.randn(D, W), torch.randn(D)
+    windows = torch.randn(len(LENGTHS), W, D)
+    cu = torch.tensor([0, *np.cumsum(LENGTHS).tolist()])
+    u, new = causal_conv_varlen(h, windows, cu, w, b)
+    for i, (a, bb) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        u_ref, new_ref = causal_conv(h[None, a:bb], windows[i : i + 1], w, b)
+        _close(u[a:bb], u_ref[0])
+        assert torch.equal(new[i], new_ref[0])  # a copy of inputs: exact
+
+
+# ---- layer level: the vLLM mixer's step against the PyTorch mixer, one sequence at a time ------
+
+
+def test_vllm_mixer_step_equals_per_sequence(monkeypatch):
+    """One vLLM step of a layer (fake forward context, no engine): decodes (one fresh: a 1-token
+    prompt on a used page) and prefills (fresh, and continued from their pages: vLLM's chunked
+    prefill or a prefix-cache hit) give each sequence the output and final pages of
+    `LaplaceMixer.forward` run on it alone; other pages and the padding rows are untouched."""
+    import types
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.v1.attention.backends.linear_attn import LinearAttentionMetadata
+
+    import serve.vllm_model as vm
+    from serve.modeling_laplace import LaplaceLinear, LaplaceMixer
+
+    ctx = types.SimpleNamespace(attn_metadata=None)
+    monkeypatch.setattr(vm, "get_forward_context", lambda: ctx)
+    # plain linears: vLLM's own need its parallel groups (the math is the same)
+    monkeypatch.setattr(vm, "VLLMLinear", lambda i, o, prefix: LaplaceLinear(i, o))
+    torch.manual_seed(0)
+    with set_current_vllm_config(VllmConfig()):
+        mixer = vm.LaplaceVLLMMixer(TINY, prefix="layers.0.mixer")
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.copy_(0.3 * torch.randn_like(p))
+    pages = (torch.randn(12, *TINY.gla_state_shape), torch.randn(12, *TINY.conv_state_shape))
+    mixer.kv_cache = tuple(t.clone() for t in pages)
+    decodes = [9, 2, 1]  # seq_len; 1: the sequence's first token
+    prefills = [(44, 300), (1, 1), (17, 17), (333, 333), (C + 1, 1000), (2, 5)]  # (query, seq)
+    qlens = [1] * len(decodes) + [q for q, _ in prefills]
+    cu = [0, *np.cumsum(qlens).tolist()]
+    slots = [7, 0, 3, 11, 5, 1, 9, 2, 4]
+    ctx.attn_metadata = LinearAttentionMetadata(
+        num_prefills=len(prefills), num_prefill_tokens=sum(q for q, _ in prefills),
+        num_decodes=len(decodes), num_decode_tokens=len(decodes),
+        query_start_loc=torch.tensor(cu, dtype=torch.int32),
+        seq_lens=torch.tensor(decodes + [s for _, s in prefills], dtype=torch.int32),
+        state_indices_tensor=torch.tensor(slots, dtype=torch.int32),
+    )  # fmt: skip
+    n = cu[-1]
+    h = torch.randn(n + 5, TINY.d_model)  # 5 padding rows
+    out = torch.zeros_like(h)
+    with torch.no_grad():
+        mixer.forward_tokens(h, out)
+        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+            gla0, conv0 = (t[slots[i] : slots[i] + 1] for t in pages)
+            if (decodes + [s for _, s in prefills])[i] == b - a:  # starts here: zeros
+                gla0, conv0 = torch.zeros_like(gla0), torch.zeros_like(conv0)
+            y, conv1, gla1 = LaplaceMixer.forward(mixer, h[None, a:b], conv0, gla0)
+            _close(out[a:b], y[0], rtol=1e-4)
+            _close(mixer.kv_cache[0][slots[i]], gla1[0])
+            assert torch.equal(mixer.kv_cache[1][slots[i]], conv1[0])
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+    other = sorted(set(range(12)) - set(slots))
+    for page, before in zip(mixer.kv_cache, pages, strict=True):
+        assert torch.equal(page[other], before[other])
+
+
+# ---- engine level: vLLM's chunked prefill, continued across steps from the state pages --------
+
+N_NEW = 24
+BUDGET = 64  # max_num_batched_tokens: a 300-token prompt takes 5 steps
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from laplace_export_helpers import export_tiny
+
+    return export_tiny(tmp_path_factory.mktemp("vllm_varlen"), seed=3)
+
+
+def test_vllm_small_chunked_prefill_matches_pytorch(exported):
+    """Prompts of 300, 1 (after a long one: a used page), 17, 150 and 90 tokens in one call with
+    64 tokens a step: steps mix decodes, prompt ends, prompt starts and continued chunks; then
+    a 1-token and a long prompt alone. Every sequence: the greedy tokens of
+    `serve.generation.greedy_generate` (the normal engine's are checked in tests/test_vllm.py)."""
+    from serve.generation import greedy_generate
+    from serve.modeling_laplace import LaplaceForCausalLM
+    from serve.vllm_adapter import generate, make_llm
+
+    cfg, _, folder = exported
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (300, 1, 17, 150, 90)]
+    model = LaplaceForCausalLM.from_exported(folder)
+    want = [greedy_generate(model, [p], N_NEW)[0] for p in prompts]
+    for key, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}.items():
+        os.environ.setdefault(key, value)
+    llm = make_llm(
+        str(folder), max_num_seqs=8, max_num_batched_tokens=BUDGET, enable_chunked_prefill=True
+    )
+    try:
+        sched = llm.llm_engine.vllm_config.scheduler_config
+        assert sched.max_num_batched_tokens == BUDGET and sched.enable_chunked_prefill
+        assert [r["token_ids"] for r in generate(llm, prompts, N_NEW)] == want
+        for i in (1, 0):  # alone, after the batch: pages reused
+            assert generate(llm, [prompts[i]], N_NEW)[0]["token_ids"] == want[i]
+    finally:
+        del llm
