@@ -134,6 +134,11 @@ class ConvertedTensors(Mapping):
 
 def convert(cfg: LaplaceConfig, params: Mapping, dtype: str = "fp32") -> ConvertedTensors:
     """Flax params (nested or flat) -> exported tensors (lazy), after checking every one."""
+    if cfg.token_mixer != "gla":  # the PyTorch and vLLM models are Laplace's (GLA) only
+        raise ExportError(
+            f"token_mixer={cfg.token_mixer!r} is the retrieval baseline (trained and evaluated "
+            "in JAX); only token_mixer='gla' checkpoints export"
+        )
     flat = flatten_dict(dict(params), sep="/")  # flat `/` paths pass through unchanged
     check_params(cfg, flat)
     out = ConvertedTensors(cfg, flat, dtype)

@@ -39,6 +39,18 @@ def gla_flops_per_token(config: LaplaceConfig) -> int:
     return config.n_layers * config.n_heads * per_head
 
 
+def attention_flops_per_token(config: LaplaceConfig) -> int:
+    """Forward FLOPs per token of softmax attention (`token_mixer="attention"`), all layers.
+
+    Per head and token: q K^T and P V over the whole square (2 T d_k + 2 T d_v at T = seq_len),
+    as FlashAttention's count does; the causal half is not subtracted.
+    """
+    T, dk, dv = config.seq_len, config.d_k, config.d_v
+    return config.n_layers * config.n_heads * 2 * T * (dk + dv)
+
+
 def training_flops_per_token(config: LaplaceConfig) -> int:
-    """Model FLOPs of one training token: 6 x parameters (the write-up's count) + 3 x GLA terms."""
-    return 6 * parameter_counts(config)["total_params"] + 3 * gla_flops_per_token(config)
+    """Model FLOPs of one training token: 6 x parameters (the write-up's count) + 3 x the token
+    mixer's terms (GLA, or attention for the baseline)."""
+    mixer = {"gla": gla_flops_per_token, "attention": attention_flops_per_token}
+    return 6 * parameter_counts(config)["total_params"] + 3 * mixer[config.token_mixer](config)

@@ -1,4 +1,5 @@
-"""Greedy generation with the JAX model: chunked prefill, then the O(1) decode step.
+"""Greedy generation with the JAX model: chunked prefill, then the O(1) decode step (the
+attention baseline, which has no state, recomputes the whole prefix for every token).
 
 The greedy token is chosen without `argmax`, which lowers to a variadic (value, index) reduce
 that the Neuron plugin does not support (DESIGN.md s1): `greedy_token` uses two plain reductions.
@@ -39,6 +40,24 @@ def _decode(config, params, token, state):
     return greedy_token(logits), state
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _next_token_by_recompute(config, params, tokens, position):
+    logits, _ = LaplaceLM(config).apply({"params": params}, tokens)  # [B, T + n, V]
+    return greedy_token(jnp.take(logits, position, axis=1))  # the prediction after `position`
+
+
+def _greedy_by_recompute(params, config, prompt, max_new_tokens) -> np.ndarray:
+    """For the attention baseline, which keeps no state: every step runs the whole causal model
+    over a fixed [B, T + n] buffer (one compiled shape; what follows `position` cannot reach it)."""
+    B, T = prompt.shape
+    buf = np.zeros((B, T + max_new_tokens), np.int32)
+    buf[:, :T] = prompt
+    for i in range(max_new_tokens):
+        token = _next_token_by_recompute(config, params, jnp.asarray(buf), T - 1 + i)
+        buf[:, T + i] = np.asarray(token)
+    return buf[:, T:]
+
+
 def greedy_generate(
     params: dict, config: LaplaceConfig, prompt_ids, max_new_tokens: int
 ) -> np.ndarray:
@@ -50,6 +69,9 @@ def greedy_generate(
         raise ValueError("greedy_generate needs a prompt of at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if config.token_mixer == "attention":
+        new = _greedy_by_recompute(params, config, prompt, max_new_tokens)
+        return new[0] if single else new
     token, state = _prefill(config, params, jnp.asarray(prompt))
     out = [token]
     for _ in range(max_new_tokens - 1):

@@ -13,6 +13,9 @@ axis names, so sharding is a rules table (`laplace_jax/sharding.py`), not model 
 The recurrent state is a dict {"layer_{i}": {"gla": [B, H, dk, dv], "conv": [B, W, D]}} in fp32:
 the GLA matrices and the last W inputs of the causal convolution (see `init_state`).
 
+The retrieval baseline, `token_mixer="attention"` (laplace_jax/attention.py), is this model with
+step 4 done by causal softmax attention: same parameters, whole sequences only (no `state`).
+
 Packed documents: `model.apply(..., tokens, reset=reset)` with `reset` [B, T] bool, True where a
 new document starts (`reset_after_eot(tokens, eot_id)`: the token after each end-of-text). Before
 such a token every layer zeroes its GLA state and its conv window, so each document of a packed
@@ -29,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from laplace_jax.attention import causal_attention
 from laplace_jax.gla import gla_chunked, gla_step
 from laplace_spec.config import LaplaceConfig
 
@@ -167,9 +171,18 @@ class DecoderLayer(nn.Module):
         k = k.reshape(B, T, H, dk)
         v = v.reshape(B, T, H, dv)  # g stays [B, T, H * dv]
 
-        # 4. GLA with the fixed decay schedule (not a parameter)
+        # 4. GLA with the fixed decay schedule (not a parameter); or, for the retrieval baseline
+        # (token_mixer="attention"), causal softmax attention over the same q, k, v
         log_decay = jnp.asarray(cfg.log_decay(), f32)  # [H]
-        if decode:  # the O(1) recurrent step
+        if cfg.token_mixer == "attention":
+            if decode:
+                raise ValueError(
+                    "token_mixer='attention' (the retrieval baseline) has no recurrent state to "
+                    "decode from: it trains and evaluates full sequences only"
+                )
+            o = causal_attention(q, k, v, reset)  # [B, T, H, dv]; keeps no state
+            gla_state = state["gla"]
+        elif decode:  # the O(1) recurrent step
             r = None if reset is None else reset[:, 0]
             o, gla_state = gla_step(q[:, 0], k[:, 0], v[:, 0], log_decay, state["gla"], reset=r)
             o = o[:, None]  # [B, 1, H, dv]
@@ -228,6 +241,11 @@ class LaplaceLM(nn.Module):
 
     def _run(self, tokens, state, decode, reset=None):
         cfg = self.config
+        if cfg.token_mixer == "attention" and state is not None:
+            raise ValueError(
+                "token_mixer='attention' keeps no recurrent state: call the model on whole "
+                "sequences, without `state`"
+            )
         if state is None:
             state = init_state(cfg, tokens.shape[0])
         x = self.embed(tokens).astype(jnp.dtype(cfg.compute_dtype))  # [B, T, D]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 DTYPES = ("float32", "bfloat16")
+TOKEN_MIXERS = ("gla", "attention")
 FP32_BYTES = 4
 BF16_BYTES = 2
 
@@ -45,6 +46,10 @@ class LaplaceConfig:
     norm_eps: float = 1e-5  # epsilon of the LayerNorms and of the head RMSNorm
     init_std: float = 0.02  # std of the embedding and LM head at initialisation
     compute_dtype: str = "float32"  # activations/matmuls; parameters are always fp32
+    # Step 4's token mixer: "gla" (Laplace) or "attention", causal softmax attention over the same
+    # q, k, v with the rest of the layer unchanged (the retrieval baseline, DESIGN.md s9; trains
+    # and evaluates full sequences, has no recurrent state and is not exported or served).
+    token_mixer: str = "gla"
 
     def __post_init__(self):
         validate(self)
@@ -166,6 +171,8 @@ def validate(cfg: LaplaceConfig) -> None:
         raise ConfigError(f"t_min ({cfg.t_min}) must not exceed t_max ({cfg.t_max})")
     if cfg.compute_dtype not in DTYPES:
         raise ConfigError(f"compute_dtype must be one of {DTYPES}, got {cfg.compute_dtype!r}")
+    if cfg.token_mixer not in TOKEN_MIXERS:
+        raise ConfigError(f"token_mixer must be one of {TOKEN_MIXERS}, got {cfg.token_mixer!r}")
 
 
 _FIELD_TYPES = {

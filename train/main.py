@@ -555,7 +555,9 @@ def announce(t: Trainer, name: str, train_tokens: int, notes: list[str]) -> None
     for line in notes:
         t.say(line)
     t.say(
-        f"model {name}: {m.d_model}d x {m.n_layers}L, "
+        f"model {name}: {m.d_model}d x {m.n_layers}L"
+        + (", softmax attention (baseline)" if m.token_mixer == "attention" else "")
+        + ", "
         f"{parameter_counts(m)['total_params'] / 1e6:.1f}M params; "
         f"mesh {mesh_text(t.mesh)} ({jax.default_backend()}); "
         f"batch {B} x {m.seq_len} tokens (accum {A} x micro {M}); "

@@ -134,23 +134,31 @@ def passkey(
     num_digits: int = 5,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Passkey batch: (tokens [B, T + 1] int32, answer_mask [B, T] bool); layout in the module
-    doc. `depth` in [0, 1]: where the needle sits in the filler (0 start, 1 end)."""
+    doc. `depth` in [0, 1]: where the needle sits in the filler (0 start, 1 end); -1: every
+    sequence draws its own depth uniformly from [0, 1] (to train on all depths)."""
     B = _check_int("batch_size", batch_size, 1)
     T = _check_int("seq_len", seq_len, 2)
     n = _check_int("num_digits", num_digits, 1)
     V = _check_int("vocab_size", vocab_size, PASSKEY_FILLER0 + 1)
-    if not (isinstance(depth, int | float) and not isinstance(depth, bool) and 0 <= depth <= 1):
-        raise TaskError(f"depth must lie in [0, 1], got {depth!r}")
+    if (
+        not (isinstance(depth, int | float) and not isinstance(depth, bool) and 0 <= depth <= 1)
+        and depth != -1
+    ):
+        raise TaskError(f"depth must lie in [0, 1] (or be -1: random per sequence), got {depth!r}")
     if T < 2 * n + 1:
         raise TaskError(
             f"seq_len must be >= 2 * num_digits + 1 = {2 * n + 1} (needle and query), got {T}"
         )
     rng = _rng(seed)
-    start = passkey_position(T, depth, n)
     tokens = rng.integers(PASSKEY_FILLER0, V, size=(B, T + 1), dtype=np.int32)
     digits = rng.integers(0, 10, size=(B, n)).astype(np.int32) + PASSKEY_DIGIT0
-    tokens[:, start] = PASSKEY_KEY
-    tokens[:, start + 1 : start + 1 + n] = digits
+    if depth == -1:  # one depth per row
+        starts = [passkey_position(T, d, n) for d in rng.uniform(0.0, 1.0, size=B)]
+    else:
+        starts = [passkey_position(T, depth, n)] * B
+    rows = np.arange(B)[:, None]  # [B, 1]
+    needle = np.asarray(starts)[:, None] + np.arange(n + 1)  # [B, n + 1]: KEY d1 .. dn
+    tokens[rows, needle] = np.concatenate([np.full((B, 1), PASSKEY_KEY, np.int32), digits], 1)
     tokens[:, T - n] = PASSKEY_QUERY
     tokens[:, T - n + 1 :] = digits
     mask = np.zeros((B, T), bool)
