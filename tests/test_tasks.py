@@ -133,6 +133,18 @@ def test_passkey_depth_places_the_needle(depth):
         assert start + n == T - n - 1
 
 
+def test_passkey_random_depth_draws_one_needle_per_row():
+    """depth=-1: every row holds one needle at its own depth, the same digits at the query."""
+    T, n = 256, 5
+    tokens, mask = passkey(64, T, -1, 320, seed=3)
+    starts = np.argmax(tokens == tasks.PASSKEY_KEY, axis=1)
+    assert ((tokens == tasks.PASSKEY_KEY).sum(1) == 1).all()
+    for row, start in zip(tokens, starts, strict=True):
+        np.testing.assert_array_equal(row[start + 1 : start + 1 + n], row[T - n + 1 :])
+    assert starts.min() < T // 4 and starts.max() > 3 * T // 4  # spread over the context
+    assert starts.max() <= T - 2 * n - 1 and (mask.sum(1) == n).all()
+
+
 @pytest.mark.parametrize(
     "kwargs,field",
     [({"depth": 1.5}, "depth"), ({"seq_len": 10}, "seq_len"), ({"vocab_size": 13}, "vocab_size")],
@@ -169,6 +181,17 @@ def test_task_batches_continue_after_set_state():
         b.set_state({"task": "passkey", "params": {}, "step": 1})
 
 
+def test_shard_batches_refuse_a_task_checkpoints_data_state():
+    """A run on token shards restoring a --task run's checkpoint: an error naming the task."""
+    import grain
+
+    from train.data import BatchIterator
+
+    shards = BatchIterator(grain.MapDataset.source([np.zeros(65, np.int32)] * 4).batch(2), 1)
+    with pytest.raises(ValueError, match="data is task mqar .* not token shards"):
+        shards.set_state({"task": "mqar", "params": {"num_pairs": 4}, "step": 3})
+
+
 # ---- the masked loss -------------------------------------------------------------------------
 
 
@@ -201,6 +224,44 @@ def test_masked_fsdp_loss_equals_the_plain_masked_mean(data):
     full, _ = jax.jit(fn)(params, t, jax.device_put(jnp.ones_like(m), batch))
     plain, _ = jax.jit(fn)(params, t)
     assert abs(float(full) - float(plain)) <= 1e-6 * float(plain)
+
+
+def test_masked_accumulation_is_the_mean_over_every_scored_target():
+    """2 micro-batches whose answer counts differ (4 x 4 answers vs 4 x 4 + 20) give the loss
+    and update of the whole masked batch at once, not the mean of the two micro-batch means."""
+    from laplace_jax.model import abstract_params
+    from laplace_jax.sharding import abstract_with_shardings
+    from train import config as train_config
+    from train.step import make_train_step
+
+    mesh = make_mesh(4)
+    opt_cfg, _ = train_config.optimizer_config("tiny", [], 10)
+    ps = param_shardings(TINY, mesh)
+    abstract = abstract_with_shardings(abstract_params(TINY), ps)
+    tx, _, os_ = train_config.build_optimizer(opt_cfg, abstract, ps, mesh)
+    step, _ = make_train_step(LaplaceLM(TINY), tx, mesh, ps, os_, grad_clip=0.0, masked=True)
+    host = jax.device_get(init_params(TINY, jax.random.key(5)))
+    tokens, mask = mqar(8, TINY.seq_len, 4, TINY.vocab_size, seed=6)
+    mask[5, :20] = True  # the second micro-batch scores 20 more targets
+
+    def run(accum):
+        params = jax.device_put(host, ps)
+        state = {
+            "params": params,
+            "opt_state": jax.jit(tx.init, out_shardings=os_)(params),
+            "bad_streak": jnp.zeros((), jnp.int32),
+        }
+        shape = (accum, 8 // accum)
+        return step(state, tokens.reshape(*shape, -1), mask.reshape(*shape, -1))
+
+    (s1, m1), (s2, m2) = run(1), run(2)
+    np.testing.assert_allclose(float(m2["loss"]), float(m1["loss"]), rtol=1e-6)
+    np.testing.assert_allclose(float(m2["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=5e-5),
+        jax.device_get(s2["params"]),
+        jax.device_get(s1["params"]),
+    )
 
 
 # ---- train.main --task -----------------------------------------------------------------------

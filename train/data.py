@@ -181,4 +181,9 @@ class BatchIterator:
         return dict(self._iter.get_state())
 
     def set_state(self, state: dict) -> None:
+        if "task" in state:  # train/tasks.py's state: the checkpoint trained on a synthetic task
+            raise ValueError(
+                f"the checkpoint's data is task {state['task']} {state.get('params', '')}, not "
+                "token shards: resume it with the same --task, or start a new run directory"
+            )
         self._iter.set_state(dict(state))

@@ -80,18 +80,33 @@ def make_train_step(
 
         if accum == 1:
             loss, grads = grad_fn(params, batch[0], None if mask is None else mask[0])
+        elif mask is not None:  # the mean over every scored target of the step: each
+            # micro-batch's mean weighted by its share of the scored targets (counts may differ)
+            counts = mask.reshape(accum, -1).sum(1).astype(jnp.float32)  # [A]
+            weights = counts / jnp.maximum(counts.sum(), 1.0)  # [A], sums to 1 (0: none scored)
+
+            def weighted_micro(carry, xs):
+                loss_sum, grad_sum = carry
+                tokens, micro_mask, w = xs
+                loss, grads = grad_fn(params, tokens, micro_mask)
+                grad_sum = jax.tree.map(lambda acc, g: acc + w * g, grad_sum, grads)
+                grad_sum = jax.lax.with_sharding_constraint(grad_sum, param_shardings)
+                return (loss_sum + w * loss, grad_sum), None
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            init = (jnp.zeros((), jnp.float32), zeros)
+            (loss, grads), _ = jax.lax.scan(weighted_micro, init, (batch, mask, weights))
         else:
 
             def micro(carry, xs):
                 loss_sum, grad_sum = carry
-                loss, grads = grad_fn(params, *xs)
+                loss, grads = grad_fn(params, xs)
                 grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
                 grad_sum = jax.lax.with_sharding_constraint(grad_sum, param_shardings)
                 return (loss_sum + loss, grad_sum), None
 
             zeros = jax.tree.map(jnp.zeros_like, params)
-            xs = (batch,) if mask is None else (batch, mask)
-            (loss, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), xs)
+            (loss, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), batch)
             loss = loss / accum
             grads = jax.tree.map(lambda g: g / accum, grads)
 
