@@ -1,5 +1,6 @@
-"""Training-step benchmark: the `small` preset at seq_len 2,048 (and 8,192) against a softmax
-transformer of the same width, depth and parameter count, side by side on this machine.
+"""Training-step benchmark: the `small` preset at seq_len 2,048 (and 8,192) against the softmax
+baseline (`token_mixer=attention`: the same layer with step 4 done by causal softmax attention,
+the same parameters, Muon on the same matrices), side by side on this machine.
 
     python -m bench.train [--quick]
 
@@ -8,8 +9,9 @@ backward, clipping, the Muon + AdamW update, the NaN guard) on all devices JAX s
 MFU = model FLOPs per token x tokens/s / the fp32 matmul rate measured in the same run
 (`train.step.measure_matmul_flops`, the better of two measurements, before and after).
 The four steps run interleaved in rounds; the best round counts (a shared machine is noisy).
-Model FLOPs: GLA 6 x parameters + the chunked-GLA terms (`laplace_jax.accounting`); transformer
-6 x parameters + 12 x layers x T x d_model (QK^T and AV, forward and backward, full square).
+Model FLOPs (`laplace_jax.accounting.training_flops_per_token`): 6 x parameters + 3 x the token
+mixer's forward terms, chunked GLA or attention's full-square q K^T and P V (attention recomputes
+each head's scores in the backward, as FlashAttention does: laplace_jax/attention.py).
 
 Writes bench/results/train.json (headline: mfu, tokens_per_s, gla_over_transformer_speedup_T8192).
 """
@@ -17,11 +19,9 @@ Writes bench/results/train.json (headline: mfu, tokens_per_s, gla_over_transform
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,10 +29,9 @@ import numpy as np
 from bench.common import write_result
 from laplace_jax import optim
 from laplace_jax.accounting import parameter_counts, training_flops_per_token
-from laplace_jax.model import Dense, LaplaceLM, LayerNorm, init_params
+from laplace_jax.model import LaplaceLM, init_params
 from laplace_jax.sharding import (
     abstract_with_shardings,
-    boxed_shardings,
     make_mesh,
     param_shardings,
 )
@@ -40,90 +39,16 @@ from laplace_spec.config import LaplaceConfig, get_config
 from train.step import make_train_step, measure_matmul_flops
 
 
-def causal_attention(q, k, v):
-    """Softmax attention, q, k, v: [B, T, H, dh] -> [B, T, H, dh], one head at a time.
-
-    Each head's scores are recomputed in the backward pass instead of stored, as
-    FlashAttention does: at T = 8,192 storing them would take 4 layers x 6 heads x 268 MB.
-    """
-    T, dh = q.shape[1], q.shape[-1]
-    causal = jnp.tril(jnp.ones((T, T), bool))
-
-    @jax.checkpoint
-    def one_head(qkv):  # [B, T, dh] each
-        qh, kh, vh = qkv
-        s = jnp.einsum("btd,bsd->bts", qh, kh) * dh**-0.5
-        p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
-        return jnp.einsum("bts,bsd->btd", p, vh)
-
-    heads_first = lambda x: x.transpose(2, 0, 1, 3)  # noqa: E731
-    o = jax.lax.map(one_head, (heads_first(q), heads_first(k), heads_first(v)))
-    return o.transpose(1, 2, 0, 3)
-
-
-class TransformerLM(nn.Module):
-    """Pre-norm softmax-attention transformer with Laplace's widths and parameter names.
-
-    Per layer: fused W_qkv [D, 3D] and W_out [D, D] -- 4 D^2 parameters, the same as Laplace's
-    W_qkvg [D, 3D] + W_out -- causal attention over n_heads heads of D / n_heads, then the same
-    GLU channel mixer. Its parameter paths (`layer_{i}_qkvg/kernel`) are not Laplace's
-    (`layer_{i}/qkvg/kernel`), so the optimizer's path rule sends all of them to AdamW: this
-    baseline trains without Muon while Laplace uses it (issue 10 replaces it with a softmax
-    baseline on Muon, trained by the same trainer).
-    No positional encoding (its cost is negligible next to attention). Attention recomputes
-    its scores in the backward pass, like FlashAttention (see `causal_attention`).
-    """
-
-    config: LaplaceConfig
-
-    @nn.compact
-    def __call__(self, tokens):
-        cfg = self.config
-        D, H, F = cfg.d_model, cfg.n_heads, cfg.ffn_dim
-        dtype = jnp.dtype(cfg.compute_dtype)
-        embed_init = nn.with_logical_partitioning(
-            nn.initializers.normal(cfg.init_std), ("vocab", "embed")
-        )
-        x = nn.Embed(cfg.vocab_size, D, embedding_init=embed_init, name="embed")(tokens)
-        B, T = tokens.shape
-        for i in range(cfg.n_layers):
-            h = LayerNorm(cfg.norm_eps, name=f"layer_{i}_ln_1")(x)
-            qkv = Dense(3 * D, ("embed", "qkvg"), D**-0.5, dtype, name=f"layer_{i}_qkvg")(h)
-            q, k, v = (a.reshape(B, T, H, D // H) for a in jnp.split(qkv, 3, -1))
-            o = causal_attention(q, k, v).reshape(B, T, D)
-            x = x + Dense(D, ("attn", "embed"), D**-0.5, dtype, name=f"layer_{i}_out")(o)
-            h2 = LayerNorm(cfg.norm_eps, name=f"layer_{i}_ln_2")(x)
-            gate, up = jnp.split(
-                Dense(2 * F, ("embed", "mlp"), D**-0.5, dtype, name=f"layer_{i}_w12")(h2), 2, -1
-            )
-            x = x + Dense(D, ("mlp", "embed"), F**-0.5, dtype, name=f"layer_{i}_w3")(
-                nn.silu(gate) * up
-            )
-        x = LayerNorm(cfg.norm_eps, name="ln_f")(x)
-        logits = Dense(cfg.vocab_size, ("embed", "vocab"), cfg.init_std, dtype, name="lm_head")(x)
-        return logits.astype(jnp.float32), None
-
-
-def _transformer_boxed(cfg, key):
-    return TransformerLM(cfg).init(key, jnp.zeros((1, 8), jnp.int32))["params"]
-
-
 def build_step(kind: str, cfg: LaplaceConfig, batch: int, mesh) -> dict:
-    """The compiled training step of one model, its state, a batch and its FLOP count."""
+    """The compiled training step of one model (`kind`: the token mixer, "gla" or "attention"),
+    its state, a batch and its FLOP count."""
     opt_cfg = optim.OPTIMIZER_PRESETS["small"]
-    if kind == "gla":
-        model = LaplaceLM(cfg)
-        host = init_params(cfg, jax.random.key(0))
-        shardings = param_shardings(cfg, mesh)
-        n_params = parameter_counts(cfg)["total_params"]
-        flops_per_token = training_flops_per_token(cfg)
-    else:
-        model = TransformerLM(cfg)
-        host = nn.unbox(_transformer_boxed(cfg, jax.random.key(0)))
-        boxed = jax.eval_shape(lambda k: _transformer_boxed(cfg, k), jax.random.key(0))
-        shardings = boxed_shardings(boxed, mesh)
-        n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(host))
-        flops_per_token = 6 * n_params + 12 * cfg.n_layers * cfg.seq_len * cfg.d_model
+    cfg = cfg.replace(token_mixer=kind)
+    model = LaplaceLM(cfg)
+    host = init_params(cfg, jax.random.key(0))
+    shardings = param_shardings(cfg, mesh)
+    n_params = parameter_counts(cfg)["total_params"]
+    flops_per_token = training_flops_per_token(cfg)
     params = jax.device_put(host, shardings)
     abstract = abstract_with_shardings(params, shardings)
     tx = optim.make_optimizer(opt_cfg, abstract, mesh)
@@ -170,7 +95,7 @@ def main(argv=None) -> int:
     built = []
     # (T, sequences per step): 2 x 2,048 and 1 x 8,192 tokens, rounded up to the device count
     for T, batch in ((2048, max(2, n)), (8192, max(1, n))):
-        for kind in ("gla", "transformer"):
+        for kind in ("gla", "attention"):
             built.append(build_step(kind, base.replace(seq_len=T), batch, mesh))
     # rounds interleave the models, so a busy moment of a shared machine hits all of them
     for i in range(rounds):
@@ -192,8 +117,8 @@ def main(argv=None) -> int:
     def find(kind, T):
         return next(r for r in runs if r["model"] == kind and r["seq_len"] == T)
 
-    g2, t2 = find("gla", 2048), find("transformer", 2048)
-    g8, t8 = find("gla", 8192), find("transformer", 8192)
+    g2, t2 = find("gla", 2048), find("attention", 2048)
+    g8, t8 = find("gla", 8192), find("attention", 8192)
     headline = {
         "mfu": round(g2["mfu"], 4),
         "tokens_per_s": round(g2["tokens_per_s"], 1),
@@ -207,7 +132,7 @@ def main(argv=None) -> int:
             f"{r['tokens_per_s']:9,.0f} {r['mfu']:7.1%}"
         )
     print(f"\nfp32 matmul rate (all {n} devices): {peak / 1e9:.1f} GFLOP/s")
-    print(f"GLA over transformer at T=2048: {g2['tokens_per_s'] / t2['tokens_per_s']:.2f}x, "
+    print(f"GLA over attention at T=2048: {g2['tokens_per_s'] / t2['tokens_per_s']:.2f}x, "
           f"at T=8192: {headline['gla_over_transformer_speedup_T8192']:.2f}x")  # fmt: skip
     path = write_result(
         "train",
@@ -218,7 +143,8 @@ def main(argv=None) -> int:
         gla_over_transformer_speedup_T2048=g2["tokens_per_s"] / t2["tokens_per_s"],
         notes=(
             "small preset (d_model 384, 4 layers, vocab 8192), fp32, one jitted training step "
-            "with Muon+AdamW; the transformer has the same widths and parameter count; "
+            "with Muon+AdamW; the attention baseline (token_mixer=attention) is the same model "
+            "with softmax attention in place of the GLA: same parameters, same Muon matrices; "
             "steps of the four models interleaved in rounds after a compiling step; step_s is "
             "the best round, step_s_median the median"
         ),
