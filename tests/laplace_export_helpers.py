@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import socket
+import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 # the tiny preset's vocabulary (320) holds a byte-level BPE (256 bytes + merges + EOS)
 TINY_OVERRIDES: list[str] = []
@@ -117,3 +122,38 @@ def post_json(url, body, timeout=120) -> tuple[int, str]:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+@contextlib.contextmanager
+def adapter_server(cmd, port: int, log_path: Path, env: dict, cwd, timeout: float = 300):
+    """Run a server command (`python -m serve.vllm_adapter ... --port PORT`) with its output in
+    `log_path`; wait until /v1/models answers, yield (base URL, process); on exit stop it with
+    SIGINT (killed after 60 s). A server that exits or does not come up fails the test with the
+    end of its log."""
+    log = open(log_path, "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                pytest.fail("server exited: " + log_path.read_text()[-4000:])
+            try:
+                with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("server did not come up: " + log_path.read_text()[-4000:])
+            time.sleep(1)
+        yield base, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # stopped by its own process id
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()

@@ -9,17 +9,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
-from laplace_export_helpers import export_tiny, free_port, post_json
+from laplace_export_helpers import adapter_server, export_tiny, free_port, post_json
 
 N_NEW = 48
 REPO = Path(__file__).resolve().parents[1]
@@ -172,32 +168,8 @@ def server(exported):
     cmd = [sys.executable, "-m", "serve.vllm_adapter", "--model", str(exported[2]),
            "--port", str(port), "--max-model-len", str(SERVER_MAX_LEN),
            "--served-model-name", "laplace-tiny", "--max-num-seqs", "4"]  # fmt: skip
-    log = open(exported[2].parent / "server.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            log.close()
-            pytest.fail("server exited: " + (exported[2].parent / "server.log").read_text()[-3000:])
-        try:
-            with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("server did not come up")
-        time.sleep(1)
-    yield base, proc
-    proc.send_signal(signal.SIGINT)  # stopped by its own process id
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
+    with adapter_server(cmd, port, exported[2].parent / "server.log", env, REPO) as running:
+        yield running
 
 
 def test_server_completion_matches_greedy(server, prompts, reference):

@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
-from laplace_export_helpers import export_tiny, free_port, post_json
+from laplace_export_helpers import adapter_server, export_tiny, free_port, post_json
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -187,23 +184,8 @@ def test_server_with_vllm_prefix_caching_flag_serves_a_conversation(exported, to
            "--max-model-len", "1024", "--max-num-seqs", "4", "--served-model-name", "tiny",
            "--vllm-arg=--enable-prefix-caching"]  # fmt: skip
     log_path = out.parent / "server_prefix.log"
-    log = open(log_path, "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env={**os.environ, **ENV}, stdout=log, stderr=subprocess.STDOUT
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, "server exited: " + log_path.read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(1)
+    env = {**os.environ, **ENV}
+    with adapter_server(cmd, port, log_path, env, REPO) as (base, _):
         rng = np.random.default_rng(13)
         prompt = rng.integers(0, cfg.vocab_size, 120).tolist()
         for turn in range(3):
@@ -222,11 +204,3 @@ def test_server_with_vllm_prefix_caching_flag_serves_a_conversation(exported, to
             if line.startswith("vllm:prefix_cache_hits_total")
         )
         assert hits > 0, [m for m in metrics.splitlines() if "prefix_cache" in m]
-    finally:
-        proc.send_signal(signal.SIGINT)  # stopped by its own process id
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()

@@ -13,7 +13,6 @@ import os
 import re
 import runpy
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from laplace_export_helpers import export_tiny, free_port, post_json
+from laplace_export_helpers import adapter_server, export_tiny, free_port, post_json
 
 from serve import vllm_adapter
 from serve.vllm_adapter import (
@@ -150,35 +149,11 @@ def replica_server(exported):
            "--max-model-len", "128", "--served-model-name", "laplace-tiny", "--max-num-seqs", "4",
            "--data-parallel-size", "2", "--cpu-cores-per-replica", "1"]  # fmt: skip
     log_path = out.parent / "server.log"
-    log = open(log_path, "w")  # noqa: SIM115
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = t0 + 300
-    while True:
-        if proc.poll() is not None:
-            log.close()
-            pytest.fail("server exited: " + log_path.read_text()[-4000:])
-        try:
-            with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("server did not come up: " + log_path.read_text()[-4000:])
-        time.sleep(1)
-    print(f"2-replica server up in {time.monotonic() - t0:.1f} s")
-    children = _descendants(proc.pid)
-    yield base, bind, log_path, proc.pid
-    proc.send_signal(signal.SIGINT)  # stopped by its own process id
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
+    with adapter_server(cmd, port, log_path, env, REPO) as (base, proc):
+        print(f"2-replica server up in {time.monotonic() - t0:.1f} s")
+        children = _descendants(proc.pid)
+        yield base, bind, log_path, proc.pid
     for pid in children:  # engine processes it started, should any outlive it
         try:
             os.kill(pid, signal.SIGKILL)
