@@ -21,10 +21,8 @@ f32 = torch.float32
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LayerNorm with a scale and no bias, in fp32."""
-    x32 = x.to(f32)
-    mean = x32.mean(-1, keepdim=True)
-    var = (x32 - mean).square().mean(-1, keepdim=True)
-    return ((x32 - mean) * torch.rsqrt(var + eps) * weight.to(f32)).to(x.dtype)
+    # (x - mean) / sqrt(var + eps) * weight, biased variance: torch's fused kernel
+    return F.layer_norm(x.to(f32), x.shape[-1:], weight.to(f32), None, eps).to(x.dtype)
 
 
 def causal_conv(h, window, weight, bias):
@@ -39,6 +37,21 @@ def causal_conv(h, window, weight, bias):
     for j in range(1, W):  # output t sees seq[t + 1 .. t + W]
         acc = acc + weight[:, j] * seq[:, 1 + j : 1 + j + T]
     return F.silu(bias + acc), seq[:, -W:].to(f32)
+
+
+def causal_conv_step(h, window, weight, bias):
+    """`causal_conv` for one new input per sequence (a decode step), without its [B, T, ...]
+    buffers: bit-identical to `causal_conv` with T = 1 (the same products, summed in order).
+
+    h: [B, D]; window: [B, W, D] fp32. Returns (u [B, D], new window [B, W, D] fp32):
+    the new window is the last W inputs, and u = SiLU(b + sum_j w[:, j] window'[j]).
+    """
+    new = torch.cat([window[:, 1:], h.to(f32)[:, None]], dim=1)  # [B, W, D]
+    x = new.to(h.dtype)
+    acc = weight[:, 0] * x[:, 0]  # [B, D]
+    for j in range(1, weight.shape[1]):
+        acc = acc + weight[:, j] * x[:, j]
+    return F.silu(bias + acc), new
 
 
 def gla_recurrent(q, k, v, log_decay, state, scale):
@@ -58,11 +71,19 @@ def gla_recurrent(q, k, v, log_decay, state, scale):
 
 
 def gla_step(q, k, v, log_decay, state, scale):
-    """One token. q, k: [B, H, K]; v: [B, H, V]; state [B, H, K, V] fp32 -> (o [B, H, V], S)."""
-    lam = torch.exp(log_decay.to(f32))[None, :, None, None]
-    state = lam * state + torch.einsum("bhk,bhv->bhkv", k.to(f32), v.to(f32))
-    o = torch.einsum("bhk,bhkv->bhv", scale * q.to(f32), state)
-    return o, state
+    """One token. q, k: [B, H, K]; v: [B, H, V]; state [B, H, K, V] fp32 -> (o [B, H, V], S).
+
+    S = lambda S + k v^T (one batched rank-1 update), o = scale q S: one matmul per head row.
+    """
+    B, H, K, V = state.shape
+    lam = torch.exp(log_decay.to(f32))[None, :, None, None]  # [1, H, 1, 1]
+    state = torch.baddbmm(
+        (lam * state).view(B * H, K, V),
+        k.to(f32).reshape(B * H, K, 1),
+        v.to(f32).reshape(B * H, 1, V),
+    ).view(B, H, K, V)  # fmt: skip
+    o = torch.matmul((scale * q.to(f32))[..., None, :], state)  # [B, H, 1, V]
+    return o[..., 0, :], state
 
 
 def gla_chunked(q, k, v, log_decay, state, scale, chunk_size):

@@ -45,7 +45,7 @@ from transformers.utils import ModelOutput
 from laplace_spec.config import LaplaceConfig
 from laplace_spec.names import WeightError, check_tensors
 from serve.configuration_laplace import LaplaceHFConfig
-from serve.kernels import causal_conv, gla_chunked, gla_step, layer_norm
+from serve.kernels import causal_conv, causal_conv_step, gla_chunked, gla_step, layer_norm
 
 f32 = torch.float32
 
@@ -136,6 +136,7 @@ class LaplaceMixer(nn.Module):
         self.head_norm_weight = nn.Parameter(torch.ones(c.n_tiers, c.d_v))
         self.out_proj = LaplaceLinear(c.n_heads * c.d_v, c.d_model)
         self.log_decay = c.log_decay()  # H fp64 numbers: the decays are fixed, not parameters
+        self._log_decay_f32: torch.Tensor | None = None
 
     def forward(self, h, window, gla_state):
         """h: [B, T, D] (LN_1 output); window [B, W, D]; gla_state [B, H, dk, dv].
@@ -143,7 +144,11 @@ class LaplaceMixer(nn.Module):
         T == 1 takes the O(1) recurrent step, longer inputs the chunked form.
         Returns (y [B, T, D], new window, new gla state).
         """
-        u, window = causal_conv(h, window, self.conv_weight, self.conv_bias)
+        if h.shape[1] == 1:  # decode: the same conv step as the vLLM model's
+            u, window = causal_conv_step(h[:, 0], window, self.conv_weight, self.conv_bias)
+            u = u[:, None]
+        else:
+            u, window = causal_conv(h, window, self.conv_weight, self.conv_bias)
         q, k, v, g = self.project(u)
         o, gla_state = self.mix(q, k, v, gla_state)
         return self.output(o, q, k, v, g), window, gla_state
@@ -157,11 +162,17 @@ class LaplaceMixer(nn.Module):
         lead = u.shape[:-1]
         return q.view(*lead, H, dk), k.view(*lead, H, dk), v.view(*lead, H, dv), g
 
+    def log_decay_f32(self, device: torch.device) -> torch.Tensor:
+        """The H log-decays, fp32, on `device`. Made from the floats on first use, not a buffer:
+        nothing to load, and nothing left uninitialised by meta-device loading."""
+        t = self._log_decay_f32
+        if t is None or t.device != device:
+            t = self._log_decay_f32 = torch.tensor(self.log_decay, dtype=f32, device=device)
+        return t
+
     def mix(self, q, k, v, gla_state):
         """GLA over [B, T, H, *] from `gla_state`: the O(1) step if T == 1, else chunked."""
-        # made per call from floats, not a buffer: nothing to load, and nothing left
-        # uninitialised by meta-device loading (H numbers per call)
-        log_decay = torch.tensor(self.log_decay, dtype=f32, device=q.device)
+        log_decay = self.log_decay_f32(q.device)
         if q.shape[1] == 1:
             o, gla_state = gla_step(q[:, 0], k[:, 0], v[:, 0], log_decay, gla_state, self.scale)
             return o[:, None], gla_state  # [B, 1, H, dv]
@@ -170,13 +181,14 @@ class LaplaceMixer(nn.Module):
     def output(self, o, q, k, v, g):
         """Self-augmentation, head RMSNorm, SiLU gate, output projection. o: [..., H, dv]."""
         H, dv = self.n_heads, self.d_v
+        lead, tiers = o.shape[:-2], self.head_norm_weight.shape[0]
         # self-augmentation: o += sigmoid(sum_i q_i a_i k_i) v   (fp32)
         aug = torch.sigmoid((q.to(f32) * self.aug_balance.to(f32) * k.to(f32)).sum(-1, True))
-        o = o + aug * v.to(f32)
-        # head RMSNorm, one scale per tier of contiguous heads
-        o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + self.eps)
-        o = o * self.head_norm_weight.to(f32).repeat_interleave(self.heads_per_tier, dim=0)
-        y = o.reshape(*o.shape[:-2], H * dv).to(g.dtype) * F.silu(g)
+        o = torch.addcmul(o, aug, v.to(f32))  # [..., H, dv]
+        # head RMSNorm, one scale per tier of contiguous heads: o rsqrt(mean(o^2) + eps) w_tier
+        o = F.rms_norm(o, (dv,), eps=self.eps).view(*lead, tiers, self.heads_per_tier, dv)
+        o = o * self.head_norm_weight.to(f32)[:, None, :]  # [..., tiers, H / tiers, dv]
+        y = o.view(*lead, H * dv).to(g.dtype) * F.silu(g)
         return self.out_proj(y)
 
 

@@ -53,7 +53,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from laplace_spec import names
 from laplace_spec.config import LaplaceConfig
-from serve.kernels import causal_conv, causal_conv_varlen, gla_chunked_varlen, gla_step
+from serve.kernels import causal_conv_step, causal_conv_varlen, gla_chunked_varlen, gla_step
 from serve.modeling_laplace import LaplaceLayerNorm, LaplaceMixer, LaplaceMLP
 
 f32 = torch.float32
@@ -133,15 +133,18 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
         # prefill, a prefix-cache hit) its page holds its state so far.
         fresh = meta.seq_lens[:ns].to(cu.device) == cu[1:] - cu[:-1]  # [ns]
         # 1. one gather of every page of the step (a copy), read from here on
-        conv0 = conv_pages.index_select(0, slots).masked_fill_(fresh[:, None, None], 0.0)
-        gla0 = gla_pages.index_select(0, slots).masked_fill_(fresh[:, None, None, None], 0.0)
+        conv0 = conv_pages.index_select(0, slots)  # [ns, W, D]
+        gla0 = gla_pages.index_select(0, slots)  # [ns, H, dk, dv]
+        if fresh.any():  # a host check (CPU tensors): no pass over the pages when none is fresh
+            conv0[fresh] = 0.0
+            gla0[fresh] = 0.0
         w, b = self.conv_weight, self.conv_bias
-        log_decay = torch.tensor(self.log_decay, dtype=f32, device=h.device)
+        log_decay = self.log_decay_f32(h.device)
         us, conv1, outs, gla1 = [], [], [], []
         # 2. causal conv: decodes batched, all prefills at once, each from its window
         if nd:
-            u, conv = causal_conv(h[:td, None], conv0[:nd], w, b)  # [nd, 1, D], [nd, W, D]
-            us.append(u[:, 0])
+            u, conv = causal_conv_step(h[:td], conv0[:nd], w, b)  # [nd, D], [nd, W, D]
+            us.append(u)
             conv1.append(conv)
         if ns > nd:
             u, conv = causal_conv_varlen(h[td:n], conv0[nd:], cu[nd:] - td, w, b)

@@ -19,7 +19,7 @@ from bench.fla_reference import load_fla_naive
 from laplace_spec.config import PRESETS, ConfigError, LaplaceConfig
 from serve.configuration_laplace import LaplaceHFConfig
 from serve.generation import DecodeRunner, greedy_generate, prefill
-from serve.kernels import gla_chunked, gla_recurrent, gla_step
+from serve.kernels import causal_conv, causal_conv_step, gla_chunked, gla_recurrent, gla_step
 from serve.modeling_laplace import LaplaceForCausalLM, LaplaceState
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,6 +75,25 @@ def test_chunked_gla_and_decode_step_match_recurrence_with_initial_state(T):
         steps.append(o_t)
     _close(torch.stack(steps, 1), ref_o, 1e-5)
     _close(s, ref_s, 1e-5)
+
+
+def test_conv_step_matches_causal_conv_token_by_token():
+    """The decode conv (one input per sequence) against `causal_conv` over the whole sequence,
+    from a non-zero starting window: the same numbers bit for bit (fp32 and bf16), and the
+    same final window."""
+    torch.manual_seed(3)
+    B, T, D, W = 3, 9, TINY.d_model, TINY.conv_width
+    h, window = torch.randn(B, T, D), torch.randn(B, W, D)
+    w, b = torch.randn(D, W), torch.randn(D)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, wd, bd = h.to(dtype), w.to(dtype), b.to(dtype)
+        ref_u, ref_window = causal_conv(x, window, wd, bd)
+        state, steps = window, []
+        for t in range(T):
+            u_t, state = causal_conv_step(x[:, t], state, wd, bd)
+            steps.append(u_t)
+        assert torch.equal(torch.stack(steps, 1), ref_u), dtype
+        assert torch.equal(state, ref_window), dtype
 
 
 @torch.no_grad()
