@@ -20,7 +20,9 @@ Measured in one run (absolute CPU numbers are not comparable to the write-up's; 
   `conversation_ttft`);
 - state memory per sequence, measured on vLLM's state pages vs computed from the config; Llama's
   KV bytes per sequence;
-- staggered arrivals (one request every few engine steps) vs one fixed batch (Laplace).
+- staggered arrivals (one request every few engine steps) vs one fixed batch (Laplace);
+- vLLM's compile mode (the adapter's `--compile`), both engines: the 128-token-prompt table at
+  1 and 64 sequences over eager, and whether its greedy tokens repeat the eager engine's.
 
 The engines run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), one after another: no IPC in
 the timings, the Laplace model's own forward time is measured beside the engine's step time, and
@@ -49,6 +51,10 @@ JSON (bench/results/serve.json; serve_quick.json with --quick; --out PATH):
     {laplace,llama}_cost       rows {prompt_len, seqs, decode_steps, seconds_per_output_token,
                                median_..., model_forward_..., window_samples, ...}
     staggered                  {fixed: {...}, staggered: {...}, requests, prompt_len, ...}
+    {laplace,llama}_compiled_throughput_p128   rows at `compile_levels`, vLLM's compile mode
+    {laplace,llama}_eager_greedy_tokens        greedy continuations (`greedy_tokens`) of the
+                                               eager engine; _compiled_greedy_equal_eager:
+                                               the share the compiled engine repeats exactly
     shared_budget              {requests, prompt_len, new_tokens, budget_bytes,
                                 laplace: run, llama: run}; run: {seconds, output_tokens,
                                 tokens_per_s, decode_steps, decode_seconds, decode_tokens_per_s,
@@ -118,6 +124,9 @@ class Sizes:
     turn_message: int = 256  # each later turn: + the reply + a new message of this many tokens
     turn_reply: int = 64
     turn_repeats: int = 3  # conversations (different tokens); best TTFT per turn
+    compile_levels: tuple[int, ...] = (1, 64)  # vLLM compile mode, 128-token prompts
+    exact_prompts: int = 8  # compile mode's greedy tokens vs eager's: prompts x exact_tokens
+    exact_tokens: int = 32
 
 
 FULL = Sizes()
@@ -570,6 +579,7 @@ def run_laplace(lap_dir: Path, cfg: LaplaceConfig, sz: Sizes, max_len: int, resu
               f"output token ({1e3 * c['model_forward_seconds_per_output_token']:.3f} ms in "
               "the model's forward)", flush=True)  # fmt: skip
     results["staggered"] = staggered_vs_fixed(llm, cfg.vocab_size, 32, 64, sz.new_tokens, 2)
+    results["laplace_eager_greedy_tokens"] = greedy_tokens(llm, cfg.vocab_size, sz)
     print("  conversation without prefix caching", flush=True)
     rows, replies = conversation_ttft(llm, cfg.vocab_size, sz)
     results["prefix_cache"] = {"turns": sz.turns, "first_tokens": sz.turn_first,
@@ -607,6 +617,7 @@ def run_llama(llama_dir: Path, cfg: LaplaceConfig, sz: Sizes, max_len: int, resu
     for c in results["llama_cost"]:
         print(f"  prompt {c['prompt_len']}: {1e3 * c['seconds_per_output_token']:.3f} ms"
               " per output token", flush=True)  # fmt: skip
+    results["llama_eager_greedy_tokens"] = greedy_tokens(lm, cfg.vocab_size, sz)
     del lm  # its pages go with the engine core
     gc.collect()
 
@@ -624,6 +635,37 @@ def run_shared_budget(lap_dir, llama_dir, cfg: LaplaceConfig, sz: Sizes, results
     if llama_dir is not None:
         print(f"Shared budget of {sz.budget_bytes:,} B: Llama", flush=True)
         sb["llama"] = shared_budget_run(llama_dir, cfg.vocab_size, sz, seqs)
+
+
+def greedy_tokens(llm, vocab: int, sz: Sizes) -> list[list[int]]:
+    """`exact_prompts` greedy continuations of `exact_tokens` (prompts of 16 to 300 tokens)."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(1, vocab, int(n)).tolist()
+               for n in np.linspace(16, 300, sz.exact_prompts)]  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(sz.exact_tokens),
+                        use_tqdm=False)  # fmt: skip
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def run_compiled(model_dir: Path, who: str, cfg: LaplaceConfig, sz: Sizes, max_len: int,
+                 results: dict) -> None:  # fmt: skip
+    """vLLM's compile mode (the adapter's `--compile`): the 128-token-prompt table at
+    `compile_levels`, and the share of greedy continuations equal to the eager engine's."""
+    from serve.vllm_adapter import make_llm
+
+    print(f"{who} in vLLM's compile mode", flush=True)
+    llm = make_llm(str(model_dir), max_model_len=max_len, max_num_seqs=64, compile=True)
+    results[f"{who}_compiled_throughput_p128"] = throughput_vs_concurrency(
+        llm, cfg.vocab_size, sz.compile_levels, 128, sz.p128_new_tokens, sz.repeats
+    )
+    eager = results.get(f"{who}_eager_greedy_tokens")
+    if eager is not None:
+        compiled = greedy_tokens(llm, cfg.vocab_size, sz)
+        same = sum(a == b for a, b in zip(compiled, eager, strict=True))
+        results[f"{who}_compiled_greedy_equal_eager"] = same / len(eager)
+        print(f"  greedy continuations equal to eager's: {same} of {len(eager)}", flush=True)
+    del llm
+    gc.collect()
 
 
 def _tps(results: dict, key: str, n: int) -> float | None:
@@ -682,6 +724,19 @@ def headlines(results: dict, cfg: LaplaceConfig, sz: Sizes) -> None:
             pc["uncached"][-1]["ttft_s"] / pc["uncached"][0]["ttft_s"]
         )
         x["prefix_cache_replies_equal"] = int(pc["replies_equal"])
+    for n in sz.compile_levels:  # vLLM's compile mode: over eager, and Laplace over Llama
+        lap_c = _tps(results, "laplace_compiled_throughput_p128", n)
+        llama_c = _tps(results, "llama_compiled_throughput_p128", n)
+        x[f"compiled_over_eager_laplace_p128_s{n}"] = _over(
+            lap_c, _tps(results, "laplace_throughput_p128", n)
+        )
+        x[f"compiled_over_eager_llama_p128_s{n}"] = _over(
+            llama_c, _tps(results, "llama_throughput_p128", n)
+        )
+        x[f"over_llama_compiled_tokens_per_s_p128_s{n}"] = _over(lap_c, llama_c)
+    for who in ("laplace", "llama"):
+        if f"{who}_compiled_greedy_equal_eager" in results:
+            x[f"{who}_compiled_greedy_equal_eager"] = results[f"{who}_compiled_greedy_equal_eager"]
     results["headline"] = {k: v for k, v in h.items() if v is not None}  # not measured: absent
     if "llama_cost" in results:
         kv_tok, long_p = llama_kv_bytes_per_token(cfg), COST_PROMPTS[1]
@@ -691,6 +746,7 @@ def headlines(results: dict, cfg: LaplaceConfig, sz: Sizes) -> None:
             "llama_kv_bytes_per_seq_8k": kv_tok * long_p,
             "llama_over_laplace_memory_8k": kv_tok * long_p / computed,
         }
+    results["headline_extra"] = {k: v for k, v in x.items() if v is not None}
 
 
 def run_notes(results: dict, sz: Sizes, quick: bool) -> list[str]:
@@ -799,6 +855,10 @@ def main(argv=None) -> int:
     if not args.skip_llama:
         llama_dir = make_llama(tmp / "llama", cfg, max_len)
         _phase(results, "llama", run_llama, llama_dir, cfg, sz, max_len, results)
+    for who, model_dir in (("laplace", lap_dir), ("llama", llama_dir)):
+        if model_dir is not None and sz.compile_levels:
+            _phase(results, f"{who}_compiled", run_compiled, model_dir, who, cfg, sz, max_len,
+                   results)  # fmt: skip
     _phase(results, "shared_budget", run_shared_budget, lap_dir, llama_dir, cfg, sz, results)
 
     kv_tok = llama_kv_bytes_per_token(cfg)
