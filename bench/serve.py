@@ -48,6 +48,8 @@ JSON (bench/results/serve.json; serve_quick.json with --quick; --out PATH):
         row: {concurrency, prompt_len, new_tokens, output_tokens, tokens_per_s (best),
               median_tokens_per_s, samples_tokens_per_s, decode_tokens_per_s, max_running,
               preempted}
+    {laplace,llama}_prefill    {seqs, prompt_len, prompt_tokens_per_s (best), samples_...}:
+                               32 prompts of the shared budget's length, 1 new token each
     {laplace,llama}_cost       rows {prompt_len, seqs, decode_steps, seconds_per_output_token,
                                median_..., model_forward_..., window_samples, ...}
     staggered                  {fixed: {...}, staggered: {...}, requests, prompt_len, ...}
@@ -324,6 +326,21 @@ def throughput_vs_concurrency(llm, vocab, levels, prompt_len, new_tokens, repeat
     return rows
 
 
+def prefill_rate(llm, vocab: int, n_seqs: int, prompt_len: int, repeats: int) -> dict:
+    """Prompt tokens/s of `n_seqs` prompts given at once with 1 new token each (the engine's
+    prefill, chunked by its max_num_batched_tokens); best of `repeats`."""
+    rates = []
+    for r in range(repeats):
+        prompts = _prompts(n_seqs, prompt_len, vocab, 100 + r)
+        t0 = time.perf_counter()
+        _run_batch(llm, prompts, 1)
+        rates.append(n_seqs * prompt_len / (time.perf_counter() - t0))
+    print(f"  prefill of {n_seqs} x {prompt_len}-token prompts: {max(rates):9.0f} prompt tokens/s",
+          flush=True)  # fmt: skip
+    return {"seqs": n_seqs, "prompt_len": prompt_len, "prompt_tokens_per_s": max(rates),
+            "samples_prompt_tokens_per_s": rates}  # fmt: skip
+
+
 def _decode_cost_once(llm, vocab, prompt_len, n_seqs, new_tokens, seed: int):
     """Seconds per output token over a window of pure decode steps at context `prompt_len`.
 
@@ -548,7 +565,8 @@ def machine_info() -> dict:
 
 def throughput_tables(llm, vocab: int, sz: Sizes, who: str, results: dict) -> None:
     """The three throughput tables of one engine: 64- and 128-token prompts at `levels`
-    sequences, `long_seqs` sequences at `long_prompt` tokens."""
+    sequences, `long_seqs` sequences at `long_prompt` tokens; and its prefill rate at the
+    shared budget's prompt length."""
     results[f"{who}_throughput"] = throughput_vs_concurrency(
         llm, vocab, sz.levels, 64, sz.new_tokens, sz.repeats
     )
@@ -558,6 +576,7 @@ def throughput_tables(llm, vocab: int, sz: Sizes, who: str, results: dict) -> No
     results[f"{who}_throughput_p2048"] = throughput_vs_concurrency(
         llm, vocab, (sz.long_seqs,), sz.long_prompt, sz.long_new_tokens, sz.repeats
     )
+    results[f"{who}_prefill"] = prefill_rate(llm, vocab, 32, sz.budget_prompt, sz.repeats)
 
 
 def run_laplace(lap_dir: Path, cfg: LaplaceConfig, sz: Sizes, max_len: int, results: dict):
@@ -734,6 +753,11 @@ def headlines(results: dict, cfg: LaplaceConfig, sz: Sizes) -> None:
             llama_c, _tps(results, "llama_throughput_p128", n)
         )
         x[f"over_llama_compiled_tokens_per_s_p128_s{n}"] = _over(lap_c, llama_c)
+    if "llama_prefill" in results:
+        x["over_llama_prefill_tokens_per_s"] = (
+            results["laplace_prefill"]["prompt_tokens_per_s"]
+            / results["llama_prefill"]["prompt_tokens_per_s"]
+        )
     for who in ("laplace", "llama"):
         if f"{who}_compiled_greedy_equal_eager" in results:
             x[f"{who}_compiled_greedy_equal_eager"] = results[f"{who}_compiled_greedy_equal_eager"]
