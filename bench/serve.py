@@ -329,12 +329,9 @@ def throughput_vs_concurrency(llm, vocab, levels, prompt_len, new_tokens, repeat
 def prefill_rate(llm, vocab: int, n_seqs: int, prompt_len: int, repeats: int) -> dict:
     """Prompt tokens/s of `n_seqs` prompts given at once with 1 new token each (the engine's
     prefill, chunked by its max_num_batched_tokens); best of `repeats`."""
-    rates = []
-    for r in range(repeats):
-        prompts = _prompts(n_seqs, prompt_len, vocab, 100 + r)
-        t0 = time.perf_counter()
-        _run_batch(llm, prompts, 1)
-        rates.append(n_seqs * prompt_len / (time.perf_counter() - t0))
+    runs = [_run_batch(llm, _prompts(n_seqs, prompt_len, vocab, 100 + r), 1)
+            for r in range(repeats)]  # fmt: skip
+    rates = [n_seqs * prompt_len / run["seconds"] for run in runs]
     print(f"  prefill of {n_seqs} x {prompt_len}-token prompts: {max(rates):9.0f} prompt tokens/s",
           flush=True)  # fmt: skip
     return {"seqs": n_seqs, "prompt_len": prompt_len, "prompt_tokens_per_s": max(rates),
@@ -657,13 +654,14 @@ def run_shared_budget(lap_dir, llama_dir, cfg: LaplaceConfig, sz: Sizes, results
 
 
 def greedy_tokens(llm, vocab: int, sz: Sizes) -> list[list[int]]:
-    """`exact_prompts` greedy continuations of `exact_tokens` (prompts of 16 to 300 tokens)."""
+    """`exact_prompts` greedy continuations of `exact_tokens` (prompts of 16 to 300 tokens),
+    through the adapter's own `generate`."""
+    from serve.vllm_adapter import generate
+
     rng = np.random.default_rng(7)
     prompts = [rng.integers(1, vocab, int(n)).tolist()
                for n in np.linspace(16, 300, sz.exact_prompts)]  # fmt: skip
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(sz.exact_tokens),
-                        use_tqdm=False)  # fmt: skip
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return [o["token_ids"] for o in generate(llm, prompts, sz.exact_tokens)]
 
 
 def run_compiled(model_dir: Path, who: str, cfg: LaplaceConfig, sz: Sizes, max_len: int,
