@@ -1,4 +1,4 @@
-"""What every benchmark shares: the machine description and the result file (DESIGN.md s7)."""
+"""What every benchmark shares: the machine description and the result file (docs/design.md s7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Causal softmax attention: the token mixer of the retrieval baseline (DESIGN.md s9).
+"""Causal softmax attention: the token mixer of the retrieval baseline (docs/design.md s9).
 
 `token_mixer="attention"` (laplace_spec/config.py) swaps step 4 of the Laplace layer, the GLA,
 for softmax attention over the same q, k, v; everything else in the layer (conv, projections,

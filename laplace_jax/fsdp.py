@@ -1,4 +1,4 @@
-"""FSDP with explicit collectives: the loss and gradient of one micro-batch (DESIGN.md s8).
+"""FSDP with explicit collectives: the loss and gradient of one micro-batch (docs/design.md s8).
 
 Inside `jax.shard_map` every device holds its shards of the parameters and its own sequences,
 and the program states every collective it makes, the same on every backend:
@@ -14,8 +14,9 @@ The decoder layers run as a `lax.scan` over the layer-stacked shards (MaxText's 
 loop with a static trip count, which Neuron accepts), so only one layer's gathered weights and
 full gradient are live at a time. With a `remat` policy the scan body is a `jax.checkpoint`: the
 backward keeps each layer's input only, gathers the layer's weights again and recomputes it, the
-FSDP ideal's second gather (DESIGN.md s8). The parameter tree is unchanged (`layer_{i}/...`): the
-stacking is of each device's local shards, inside the step, and moves no data between devices.
+FSDP ideal's second gather (docs/design.md s8). The parameter tree is unchanged
+(`layer_{i}/...`): the stacking is of each device's local shards, inside the step, and moves no
+data between devices.
 
 The math is the model's own: the layer is `DecoderLayer`, the norm and head `LayerNorm` and
 `Dense` of laplace_jax/model.py, applied to gathered weights; only where the weights come from

@@ -2,7 +2,8 @@
 attention baseline, which has no state, recomputes the whole prefix for every token).
 
 The greedy token is chosen without `argmax`, which lowers to a variadic (value, index) reduce
-that the Neuron plugin does not support (DESIGN.md s1): `greedy_token` uses two plain reductions.
+that the Neuron plugin does not support (docs/design.md s1): `greedy_token` uses two plain
+reductions.
 """
 
 from __future__ import annotations

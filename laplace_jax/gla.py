@@ -10,7 +10,7 @@ checked against its naive PyTorch references:
     o_t = (scale * q_t)^T S_t            scale defaults to K ** -0.5
 
 - `gla_recurrent`: the definition, one token at a time (the reference).
-- `gla_chunked`: DESIGN.md section 3, a `lax.scan` over chunks (training, prefill).
+- `gla_chunked`: docs/design.md section 3, a `lax.scan` over chunks (training, prefill).
 - `gla_step`: one token (decoding).
 
 Document boundaries and padding (optional, all three forms; None: the plain recurrence above,
@@ -90,7 +90,7 @@ def gla_recurrent(q, k, v, log_decay, *, scale=None, initial_state=None, reset=N
     return jnp.moveaxis(o, 0, 1), state
 
 
-# ---- the chunked form (DESIGN.md section 3) -----------------------------------------------
+# ---- the chunked form (docs/design.md section 3) -----------------------------------------------
 
 
 def gla_chunked(

@@ -13,7 +13,7 @@ and reading the optimised HLO text (`jax.jit(f).lower(...).compile().as_text()`)
   has no bf16 collectives: it moves bf16 data as f32 between two converts; such a collective
   (every use rounds it back to bf16) is counted at bf16 width, `widened_here=True`.
 - `neuron_census(hlo)`: what the JAX Neuron plugin documents as unsupported or constrained
-  (DESIGN.md s1): conditionals, while loops without a static trip count, custom calls and host
+  (docs/design.md s1): conditionals, while loops without a static trip count, custom calls and host
   callbacks, variadic reductions (argmax/argmin), sort comparators, f64 and 64-bit integer
   tensors, and the RNG algorithm of any rng-bit-generator.
 """
@@ -251,7 +251,7 @@ def collective_bytes(colls: list[dict], target_forms_reduce_scatter: bool = True
 
 
 def neuron_census(hlo: str) -> dict:
-    """Counts of what the Neuron plugin does not support (DESIGN.md s1), from optimised HLO."""
+    """Counts of what the Neuron plugin does not support (docs/design.md s1), from optimised HLO."""
     comps, _ = computations(hlo)
     ops = [(op, types, rest) for instrs in comps.values() for _, types, op, rest in instrs]
     whiles = [trip_count(rest) for op, _, rest in ops if op == "while"]

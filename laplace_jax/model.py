@@ -1,4 +1,4 @@
-"""The Laplace decoder (DESIGN.md section 2) as a functional Flax model.
+"""The Laplace decoder (docs/design.md section 2) as a functional Flax model.
 
 Parameters live in a plain dict (paths in docs/parameters.md); every parameter carries logical
 axis names, so sharding is a rules table (`laplace_jax/sharding.py`), not model code.
@@ -145,7 +145,7 @@ class HeadRMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One Laplace layer; the numbered steps are those of DESIGN.md section 2."""
+    """One Laplace layer; the numbered steps are those of docs/design.md section 2."""
 
     config: LaplaceConfig
     unroll: bool = False  # static unroll of the chunk scan (Neuron)

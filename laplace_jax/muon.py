@@ -1,4 +1,4 @@
-"""Muon: Newton-Schulz orthogonalised momentum for the 2-D weight matrices (DESIGN.md s4).
+"""Muon: Newton-Schulz orthogonalised momentum for the 2-D weight matrices (docs/design.md s4).
 
 Three ways to run the same update, chosen by `mode`:
 

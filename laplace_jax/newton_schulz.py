@@ -1,4 +1,4 @@
-"""Newton-Schulz orthogonalisation (DESIGN.md s4): on whole matrices, and on column tiles.
+"""Newton-Schulz orthogonalisation (docs/design.md s4): on whole matrices, and on column tiles.
 
 Five quintic iterations on X = G / (||G||_F + eps), turned wide (rows <= cols):
 A = X X^T; B = b A + c A A; X = a X + B X. Operands are in `dtype` (bf16 by default, what the

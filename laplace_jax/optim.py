@@ -43,12 +43,12 @@ class OptimizerConfig:
     adam_b1: float = 0.9
     adam_b2: float = 0.95
     adam_eps: float = 1e-8
-    muon_momentum: float = 0.95  # mu of DESIGN.md s4
+    muon_momentum: float = 0.95  # mu of docs/design.md s4
     nesterov: bool = True  # G' = G + mu M
     ns_steps: int = 5  # quintic Newton-Schulz iterations
     ns_dtype: str = "bfloat16"  # Newton-Schulz operands, and what the collectives carry
     shape_factor: str = "adamw_rms"  # or "max_ratio": max(1, rows/cols) ** 0.5
-    muon_mode: str = "a2a"  # "single" | "gather" | "a2a" (DESIGN.md s4; see muon.py)
+    muon_mode: str = "a2a"  # "single" | "gather" | "a2a" (docs/design.md s4; see muon.py)
 
     def __post_init__(self):
         for name in ("lr", "adam_eps"):

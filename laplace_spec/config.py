@@ -1,6 +1,6 @@
 """The model configuration and everything derived from it: the one source of truth.
 
-The fields are those of DESIGN.md section 2. `LaplaceConfig` describes the model only;
+The fields are those of docs/design.md section 2. `LaplaceConfig` describes the model only;
 optimizer and training settings live with the optimizer and the trainer, so that an exported
 `config.json` carries exactly what is needed to rebuild the network.
 
@@ -47,14 +47,14 @@ class LaplaceConfig:
     init_std: float = 0.02  # std of the embedding and LM head at initialisation
     compute_dtype: str = "float32"  # activations/matmuls; parameters are always fp32
     # Step 4's token mixer: "gla" (Laplace) or "attention", causal softmax attention over the same
-    # q, k, v with the rest of the layer unchanged (the retrieval baseline, DESIGN.md s9; trains
-    # and evaluates full sequences, has no recurrent state and is not exported or served).
+    # q, k, v with the rest of the layer unchanged (the retrieval baseline, docs/design.md s9;
+    # trains and evaluates full sequences, has no recurrent state and is not exported or served).
     token_mixer: str = "gla"
 
     def __post_init__(self):
         validate(self)
 
-    # ---- derived sizes (DESIGN.md section 2) ------------------------------------------------
+    # ---- derived sizes (docs/design.md section 2) ------------------------------------------------
     @property
     def qkvg_split(self) -> tuple[int, int, int, int]:
         """Widths of q, k, v, g in the fused projection: H d_k, H d_k, H d_v, H d_v."""
@@ -224,7 +224,7 @@ def _parse_value(key: str, raw: str, typ: type) -> Any:
 # ---- presets --------------------------------------------------------------------------------
 
 PRESETS: dict[str, LaplaceConfig] = {
-    # Laplace 3B exactly as in DESIGN.md section 2, computing in bf16 (fp32 master weights; the
+    # Laplace 3B exactly as in docs/design.md section 2, computing in bf16 (fp32 master weights; the
     # dataclass default, fp32, stays available as compute_dtype=float32).
     "laplace-3b": LaplaceConfig(compute_dtype="bfloat16"),
     # ~13M parameters, same structure: trains visibly on a 2-core CPU in minutes.

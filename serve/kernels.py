@@ -1,7 +1,7 @@
-"""The PyTorch kernels of Laplace: LayerNorm, causal conv and GLA (DESIGN.md sections 2 and 3).
+"""The PyTorch kernels of Laplace: LayerNorm, causal conv and GLA (docs/design.md sections 2 and 3).
 
 Plain functions on tensors, shared by the PyTorch model (`serve/modeling_laplace.py`) and the
-vLLM model (`serve/vllm_model.py`). GLA comes in three forms that must agree (DESIGN.md s3):
+vLLM model (`serve/vllm_model.py`). GLA comes in three forms that must agree (docs/design.md s3):
 
     gla_recurrent  the definition: a plain token loop, the reference the others are tested against
     gla_chunked    prefill: intra-chunk products batched, the state carried chunk to chunk
@@ -87,7 +87,7 @@ def gla_step(q, k, v, log_decay, state, scale):
 
 
 def gla_chunked(q, k, v, log_decay, state, scale, chunk_size):
-    """Chunked GLA (DESIGN.md s3) for any T; the final state counts only the valid tokens.
+    """Chunked GLA (docs/design.md s3) for any T; the final state counts only the valid tokens.
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; log_decay: [H]; state: [B, H, K, V] fp32.
     Returns (o [B, T, H, V] fp32, final state).
@@ -181,7 +181,7 @@ def causal_conv_varlen(h, windows, cu_seqlens, weight, bias):
 
 
 def gla_chunked_varlen(q, k, v, log_decay, initial_states, cu_seqlens, scale, chunk_size):
-    """`gla_chunked` over packed sequences (DESIGN.md s3), each from its own initial state.
+    """`gla_chunked` over packed sequences (docs/design.md s3), each from its own initial state.
 
     q, k: [T, H, K]; v: [T, H, V]; log_decay: [H]; initial_states: [P, H, K, V] fp32;
     cu_seqlens: [P + 1]. Returns (o [T, H, V] fp32, final states [P, H, K, V] fp32).

@@ -1,6 +1,6 @@
 """Laplace in plain PyTorch, Hugging Face style (no JAX): the serving side of the model.
 
-The math is that of `laplace_jax/model.py` (DESIGN.md sections 2 and 3), step for step:
+The math is that of `laplace_jax/model.py` (docs/design.md sections 2 and 3), step for step:
 
     x = embed(tokens)                                              # [B, T, D]
     per layer:  h = LN_1(x); u = SiLU(causal_conv(h)); [q k v g] = u W_qkvg^T

@@ -1,4 +1,4 @@
-"""The Flax model against a float64 NumPy transcription of DESIGN.md section 2; invariants."""
+"""The Flax model against a float64 NumPy transcription of docs/design.md section 2; invariants."""
 
 import math
 import subprocess
@@ -36,7 +36,7 @@ def randomised_params(cfg, seed=0):
     return jax.tree_util.tree_map_with_path(perturb, params)
 
 
-# ---- an independent transcription of DESIGN.md section 2, float64, token by token ----------
+# ---- an independent transcription of docs/design.md section 2, float64, token by token ----------
 
 
 def numpy_forward(p, cfg, tokens):

@@ -27,7 +27,7 @@ from laplace_spec.config import PRESETS
 A, B, C = 3.4445, -4.7750, 2.0315
 
 
-# ---- an independent float64 NumPy Muon (the definition of DESIGN.md s4) -------------------------
+# ---- an independent float64 NumPy Muon (the definition of docs/design.md s4) -----------------
 
 
 def np_newton_schulz(g: np.ndarray, steps: int = 5, eps: float = 1e-7) -> np.ndarray:
@@ -223,7 +223,7 @@ def test_tile_plan_is_a_packing(preset, n):
             2,
         )
         assert min(pool.loads()) > 0
-        # DESIGN.md s4 and s8: Muon's two all_to_alls move 396,361,728 bytes per device (bf16);
+        # docs/design.md s4 and s8: Muon's two all_to_alls move 396,361,728 bytes per device (bf16);
         # gather moves 2 x 63/64 of the 5.44 GB gradient; the ratio is the 27.0 bound.
         a2a = a2a_bytes_per_device(pools, 2)
         gather = gather_bytes_per_device(shapes, n, 2)
@@ -345,7 +345,7 @@ def test_compiled_update_collectives_and_state_sharding(tiny_setup):
 
 
 def test_jitted_update_has_no_branches_loops_or_callbacks(tiny_setup):
-    """Neuron constraints (DESIGN.md s1): no cond/case, no while, no host callbacks."""
+    """Neuron constraints (docs/design.md s1): no cond/case, no while, no host callbacks."""
     cfg, mesh, shard, params, grads = tiny_setup
     tx = make_optimizer(OPTIMIZER_PRESETS["tiny"], params, mesh)
     state = jax.jit(tx.init)(params)

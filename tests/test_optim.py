@@ -58,7 +58,7 @@ def test_config_validation_and_overrides():
 
 
 def test_muon_adamw_split_for_3b_is_exact():
-    """By path, not ndim: 96 matrices / 2,717,908,992 vs 309,642,240 (DESIGN.md s2)."""
+    """By path, not ndim: 96 matrices / 2,717,908,992 vs 309,642,240 (docs/design.md s2)."""
     shapes = flatten_dict(abstract_params(PRESETS["laplace-3b"]), sep="/")
     labels = flatten_dict(param_labels(abstract_params(PRESETS["laplace-3b"])), sep="/")
     muon = [p for p, lab in labels.items() if lab == "muon"]

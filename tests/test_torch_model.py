@@ -131,7 +131,7 @@ def _allocated_bytes(state: LaplaceState) -> int:
 
 
 def test_allocated_state_has_the_documented_size(model):
-    """The bytes of a really allocated state equal laplace_spec's count; 3B's is DESIGN.md's."""
+    """The bytes of a really allocated state equal laplace_spec's count; 3B's is the spec's."""
     st = model.init_state(3)  # the model's own state for 3 sequences
     assert _allocated_bytes(st) == 3 * TINY.state_bytes_per_sequence()["total"]
     assert st.nbytes_per_seq() == TINY.state_bytes_per_sequence()["total"]

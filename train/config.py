@@ -83,7 +83,7 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
         eval_batches=8,
         ckpt_every=1_000,
         sample_tokens=64,
-        remat="layer",  # one layer's activations and weights at a time (DESIGN.md s8)
+        remat="layer",  # one layer's activations and weights at a time (docs/design.md s8)
     ),
 }
 

@@ -4,7 +4,7 @@
 one step's directory (`RUN/checkpoints/40`); the newest step unless `--step N`. Only the
 parameters are read (no optimizer state); the model config comes from the checkpoint's meta.
 
-Tasks (DESIGN.md s9; generators in train/tasks.py):
+Tasks (docs/design.md s9; generators in train/tasks.py):
 
 - `mqar`: accuracy per (sequence length `--seq-lens`, pairs `--pairs`): the greedy argmax of the
   logits at each answer position against its value (`accuracy`, per answer token, zoology's

@@ -1,6 +1,6 @@
 """The jitted training step: gradient accumulation, clipping, the NaN/Inf guard, FSDP shardings.
 
-Everything inside the step respects the Neuron constraints of DESIGN.md section 1: no
+Everything inside the step respects the Neuron constraints of docs/design.md section 1: no
 `lax.cond`, no host callbacks, a scan only with a static trip count (the accumulation steps).
 A step whose loss or gradient norm is not finite is not applied: `jnp.where` selects the old
 parameters and optimizer state, and `bad_streak` counts such steps in a row. The old state

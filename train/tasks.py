@@ -1,4 +1,4 @@
-"""Synthetic retrieval tasks, generated on the fly and deterministic by seed (DESIGN.md s9).
+"""Synthetic retrieval tasks, generated on the fly and deterministic by seed (docs/design.md s9).
 
 Every generator returns `(tokens, answer_mask)`:
 
