@@ -6,9 +6,9 @@ the same parameters, Muon on the same matrices), side by side on this machine.
 
 Each model runs the project's jitted training step (`train.step.make_train_step`: forward,
 backward, clipping, the Muon + AdamW update, the NaN guard) on all devices JAX sees.
-MFU = model FLOPs per token x tokens/s / the fp32 matmul rate measured in the same run
-(`train.step.measure_matmul_flops`, the better of two measurements, before and after).
-The four steps run interleaved in rounds; the best round counts (a shared machine is noisy).
+MFU = model FLOPs per token x tokens/s / the fp32 matmul rate (`train.step.measure_matmul_flops`)
+probed at the start of the same round. The four steps run interleaved in rounds; every figure is
+the median over rounds, with its minimum and maximum (a shared machine is noisy).
 Model FLOPs (`laplace_jax.accounting.training_flops_per_token`): 6 x parameters + 3 x the token
 mixer's forward terms, chunked GLA or attention's full-square q K^T and P V (attention recomputes
 each head's scores in the backward, as FlashAttention does: laplace_jax/attention.py).
@@ -82,14 +82,23 @@ def time_step(holder) -> float:
     return time.perf_counter() - t0
 
 
+def spread(values) -> dict:
+    """The median of a list of per-round figures, with its minimum and maximum."""
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="2 rounds instead of 3")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved measurement rounds")
+    ap.add_argument("--quick", action="store_true", help="3 rounds instead of --rounds")
     args = ap.parse_args(argv)
-    rounds = 2 if args.quick else 3
+    rounds = 3 if args.quick else args.rounds
     mesh = make_mesh()
     n = mesh.size
-    peak_before = measure_matmul_flops(mesh)
 
     base = get_config("small")
     built = []
@@ -97,56 +106,74 @@ def main(argv=None) -> int:
     for T, batch in ((2048, max(2, n)), (8192, max(1, n))):
         for kind in ("gla", "attention"):
             built.append(build_step(kind, base.replace(seq_len=T), batch, mesh))
-    # rounds interleave the models, so a busy moment of a shared machine hits all of them
+    # Each round probes the matmul rate (the MFU denominator) and then runs every model's step
+    # once, so a busy moment of a shared machine hits the probe and all models of that round.
+    matmul_rates = []
     for i in range(rounds):
+        matmul_rates.append(measure_matmul_flops(mesh))
         for run, holder in built:
             run["times_s"].append(time_step(holder))
         print(
-            f"round {i + 1}/{rounds}: "
+            f"round {i + 1}/{rounds}: {matmul_rates[-1] / 1e9:.1f} GFLOP/s, "
             + ", ".join(f"{r['model']} T={r['seq_len']} {r['times_s'][-1]:.2f}s" for r, _ in built)
         )
     runs = [r for r, _ in built]
-    for r in runs:  # the best round: the least disturbed by other work on the machine
-        r["step_s"] = min(r["times_s"])
-        r["step_s_median"] = statistics.median(r["times_s"])
-        r["tokens_per_s"] = r["batch"] * r["seq_len"] / r["step_s"]
-    peak = max(peak_before, measure_matmul_flops(mesh))
     for r in runs:
-        r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / peak
+        tokens = r["batch"] * r["seq_len"]
+        r["step_s"] = spread(r["times_s"])
+        r["tokens_per_s"] = spread([tokens / t for t in r["times_s"]])
+        # MFU of each round against the matmul rate probed in that same round
+        per_round = zip(r["times_s"], matmul_rates, strict=True)
+        r["mfu"] = spread([r["flops_per_token"] * tokens / t / rate for t, rate in per_round])
 
     def find(kind, T):
         return next(r for r in runs if r["model"] == kind and r["seq_len"] == T)
 
-    g2, t2 = find("gla", 2048), find("attention", 2048)
-    g8, t8 = find("gla", 8192), find("attention", 8192)
+    # GLA over attention: the ratio of the two steps of the same round, one per round
+    speedup = {}
+    for T in (2048, 8192):
+        pairs = zip(find("gla", T)["times_s"], find("attention", T)["times_s"], strict=True)
+        speedup[T] = spread([a / g for g, a in pairs])
+    g2 = find("gla", 2048)
     headline = {
-        "mfu": round(g2["mfu"], 4),
-        "tokens_per_s": round(g2["tokens_per_s"], 1),
-        "gla_over_transformer_speedup_T8192": round(g8["tokens_per_s"] / t8["tokens_per_s"], 3),
+        "mfu": round(g2["mfu"]["median"], 4),
+        "tokens_per_s": round(g2["tokens_per_s"]["median"], 1),
+        "gla_over_transformer_speedup_T8192": round(speedup[8192]["median"], 3),
     }
     print()
+    print("medians over the rounds:")
     print(f"{'model':12s} {'T':>6s} {'params':>11s} {'s/step':>8s} {'tok/s':>9s} {'MFU':>7s}")
     for r in runs:
         print(
-            f"{r['model']:12s} {r['seq_len']:6d} {r['params']:11,d} {r['step_s']:8.2f} "
-            f"{r['tokens_per_s']:9,.0f} {r['mfu']:7.1%}"
+            f"{r['model']:12s} {r['seq_len']:6d} {r['params']:11,d} {r['step_s']['median']:8.2f} "
+            f"{r['tokens_per_s']['median']:9,.0f} {r['mfu']['median']:7.1%}"
         )
-    print(f"\nfp32 matmul rate (all {n} devices): {peak / 1e9:.1f} GFLOP/s")
-    print(f"GLA over attention at T=2048: {g2['tokens_per_s'] / t2['tokens_per_s']:.2f}x, "
-          f"at T=8192: {headline['gla_over_transformer_speedup_T8192']:.2f}x")  # fmt: skip
+    rate = spread(matmul_rates)
+    print(
+        f"\nfp32 matmul rate (all {n} devices): median {rate['median'] / 1e9:.1f} GFLOP/s "
+        f"({rate['min'] / 1e9:.1f} to {rate['max'] / 1e9:.1f})"
+    )
+    for T, s in speedup.items():
+        print(
+            f"GLA over attention at T={T}: median {s['median']:.2f}x "
+            f"({s['min']:.2f}x to {s['max']:.2f}x over {rounds} rounds)"
+        )
     path = write_result(
         "train",
         headline,
-        matmul_flops_per_s=peak,
-        matmul_flops_per_s_before_after=[peak_before, peak],
+        rounds=rounds,
+        matmul_flops_per_s=rate,
+        matmul_flops_per_s_rounds=matmul_rates,
+        gla_over_transformer_speedup={str(T): s for T, s in speedup.items()},
         runs=runs,
-        gla_over_transformer_speedup_T2048=g2["tokens_per_s"] / t2["tokens_per_s"],
         notes=(
             "small preset (d_model 384, 4 layers, vocab 8192), fp32, one jitted training step "
             "with Muon+AdamW; the attention baseline (token_mixer=attention) is the same model "
             "with softmax attention in place of the GLA: same parameters, same Muon matrices; "
-            "steps of the four models interleaved in rounds after a compiling step; step_s is "
-            "the best round, step_s_median the median"
+            "after a compiling step, each round probes the fp32 matmul rate and then times one "
+            "step of each of the four models; every figure is the median over rounds with its "
+            "min and max; a speedup is the ratio of the two steps of the same round; MFU divides "
+            "by the matmul rate probed in the same round"
         ),
     )
     print(path)
