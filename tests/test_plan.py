@@ -17,7 +17,7 @@ from laplace_spec import names
 from laplace_spec.config import get_config
 from train import plan as train_plan
 
-DESIGN_PLAN_KEYS = {  # DESIGN.md s7
+DESIGN_PLAN_KEYS = {  # docs/design.md s7
     "train_step_gib_per_device",
     "train_step_fits_24gib",
     "collective_bytes_over_fsdp_ideal",
@@ -212,7 +212,7 @@ def test_replica_group_sizes_in_every_hlo_format():
 
 @pytest.mark.parametrize("unroll", [True, False])
 def test_small_preset_programs_are_neuron_clean_and_unroll_leaves_no_chunk_loop(unroll):
-    """DESIGN.md s1 on every program the trainer compiles for `small` on 8 devices, with 2
+    """docs/design.md s1 on every program the trainer compiles for `small` on 8 devices, with 2
     accumulation steps and per-layer remat: no conditionals, callbacks, variadic reductions, f64
     or data-dependent loops; with scan_unroll the chunk scan leaves no loop, only loops of
     static trip counts: the accumulation's (2) and the layer scan's (4 layers, forward and

@@ -9,7 +9,7 @@ runs `python -m train.main TRAIN_ARGS` (on instance I of N) with the environment
 whole backward graph), `init_on_host=true` (RNG init compiles slowly on a NeuronCore) and
 `peak_flops` from `PEAK_FLOPS` (the MFU denominator). `--dry-run` prints the environment and
 the command and exits. If the runtime rejects Muon's all_to_all, add `muon_mode=gather` to
-TRAIN_ARGS: the gather form uses only all-gathers (DESIGN.md s4), the one-flag fallback.
+TRAIN_ARGS: the gather form uses only all-gathers (docs/design.md s4), the one-flag fallback.
 
 This project has not run any of this on Trainium hardware: the environment builder is unit
 tested and `python -m train.neuron_smoke` runs here on simulated CPU devices. Run that smoke
@@ -87,6 +87,10 @@ DEFAULT_CC_FLAGS: tuple[str, ...] = (
     "--native-int64=enabled",
     "--implicit-integer-downcast=none",
 )
+# The settings the launcher adds to train.main's unless given (`peak_flops` comes with them):
+# the Neuron compiler needs the whole backward graph, and RNG init compiles slowly on a core.
+LAUNCH_SETTINGS: dict[str, str] = {"scan_unroll": "true", "init_on_host": "true"}
+
 DEFAULT_CACHE_DIR = "/var/tmp/neuron-compile-cache"  # Neuron's usual local NEFF cache location
 
 
@@ -217,7 +221,7 @@ def train_settings(train_args: list[str], n_devices: int, logical_nc: int) -> li
         if all(s.isdigit() for s in sizes):
             n_devices = math.prod(int(s) for s in sizes)
     peak = PEAK_FLOPS[f"trn2-lnc{logical_nc}"] * n_devices
-    wanted = {"scan_unroll": "true", "init_on_host": "true", "peak_flops": f"{peak:.6g}"}
+    wanted = {**LAUNCH_SETTINGS, "peak_flops": f"{peak:.6g}"}
     return [f"{k}={v}" for k, v in wanted.items() if k not in given]
 
 
