@@ -58,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lnc", type=int, default=2, help="logical NeuronCore size on Neuron")
     ap.add_argument("--cache-dir", help=f"compile cache (Neuron default {DEFAULT_CACHE_DIR})")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for the 2-process start")
+    ap.add_argument("--result", help="also write the checks and their figures to this JSON file")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one of the 2
     args = ap.parse_args(argv)
     checks = [c.strip() for c in args.checks.split(",") if c.strip()]
@@ -81,8 +82,12 @@ def simulate_cpu_devices(n: int) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def report(name: str, ok: bool, text: str, seconds: float) -> bool:
+REPORTS: list[dict] = []  # every check's outcome, for --result
+
+
+def report(name: str, ok: bool, text: str, seconds: float, **figures) -> bool:
     print(f"{'PASS' if ok else 'FAIL'} {name}: {text} ({seconds:.1f} s)", flush=True)
+    REPORTS.append({"check": name, "passed": ok, "seconds": round(seconds, 1), **figures})
     return ok
 
 
@@ -271,7 +276,9 @@ def check_muon(cfg, mesh, parts) -> bool:
         f"AdamW leaves bit-identical: {'yes' if adamw_equal else 'NO'}; "
         "fallback if a2a fails on the device: muon_mode=gather"
     )
-    return report("muon", ok, text, time.perf_counter() - t0)
+    return report(
+        "muon", ok, text, time.perf_counter() - t0, max_a2a_minus_gather=worst, bound=bound
+    )
 
 
 def check_step(cfg, mesh, parts, state):
@@ -336,6 +343,7 @@ def check_checkpoint(cfg, parts, state) -> bool:
 
 
 def run_checks(args) -> int:
+    t_start = time.perf_counter()
     cache_dir = args.cache_dir or (DEFAULT_CACHE_DIR if args.backend == "neuron" else None)
     with tempfile.TemporaryDirectory() as tmp:
         cache_dir = cache_dir or str(Path(tmp) / "cache")  # CPU: leave no cache behind
@@ -363,6 +371,17 @@ def run_checks(args) -> int:
         f"{len(results) - failed} of {len(results)} checks passed"
         + ("" if not failed else "; FAILED")
     )
+    if args.result:
+        summary = {
+            "command": "python -m train.neuron_smoke " + " ".join(sys.argv[1:]),
+            "backend": args.backend,
+            "cores": args.cores,
+            "passed": len(results) - failed,
+            "checks": len(results),
+            "wall_s": round(time.perf_counter() - t_start, 1),
+            "reports": REPORTS,
+        }
+        Path(args.result).write_text(json.dumps(summary, indent=2) + "\n")
     return 1 if failed else 0
 
 
