@@ -27,19 +27,19 @@ Measured in one run (absolute CPU numbers are not comparable to the write-up's; 
 The engines run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), one after another: no IPC in
 the timings, the Laplace model's own forward time is measured beside the engine's step time, and
 vLLM's scheduler is observed directly (`SchedulerTap`: what each engine step scheduled). On a
-machine shared with other jobs, times are best-of-N (other load only adds time); medians and
-samples are kept too. Throughput is end to end (requests added at once, prefill included).
+machine shared with other jobs, every figure keeps its N samples, its median and its best; the
+headline ratios are of medians. Throughput is end to end (requests added at once, prefill included).
 
 JSON (bench/results/serve.json; serve_quick.json with --quick; --out PATH):
     quick                      true for --quick (then every figure is a quick figure)
     sizes                      every size used (`Sizes`); notes: caveats of this run, in words
     machine, preset, config    the machine, the preset, the exported config.json
-    headline                   DESIGN.md s7 keys, plain numbers:
+    headline                   docs/design.md s7 keys, plain numbers, from medians:
         cost_per_token_8k_over_2k, state_bytes_per_seq_measured, state_bytes_per_seq_computed,
         tokens_per_s_at_32 (64-token prompts), over_llama_tokens_per_s_p128_s{1,8,32,64},
         over_llama_tokens_per_s_p2048_s64, over_llama_tokens_per_s_1280_requests,
         prefix_cache_ttft_turn10_over_turn1 (turn `turns` over turn 1, with caching)
-    headline_extra             more ratios (median-based, uncached TTFT growth, Llama's
+    headline_extra             more ratios (best-window cost, uncached TTFT growth, Llama's
                                concurrency and decode rates in the shared budget, ...)
     laplace_state              {layers, bytes_per_seq, slots} read from vLLM's state pages
     {laplace,llama}_throughput        rows at 64-token prompts
@@ -686,7 +686,13 @@ def run_compiled(model_dir: Path, who: str, cfg: LaplaceConfig, sz: Sizes, max_l
 
 
 def _tps(results: dict, key: str, n: int) -> float | None:
-    return next((r["tokens_per_s"] for r in results.get(key, []) if r["concurrency"] == n), None)
+    """The median output tokens/s of `n` concurrent requests (the headlines' figure)."""
+    rows = results.get(key, [])
+    return next((r["median_tokens_per_s"] for r in rows if r["concurrency"] == n), None)
+
+
+def _median_ttft(row: dict) -> float:
+    return statistics.median(row["samples_ttft_s"])
 
 
 def _over(a: float | None, b: float | None) -> float | None:
@@ -694,12 +700,12 @@ def _over(a: float | None, b: float | None) -> float | None:
 
 
 def headlines(results: dict, cfg: LaplaceConfig, sz: Sizes) -> None:
-    """DESIGN.md s7's headline keys (plain numbers) and the extras beside them."""
+    """docs/design.md s7's headline keys (plain numbers) and the extras beside them."""
     lc, measured = results["laplace_cost"], results["laplace_state"]
     computed = cfg.state_bytes_per_sequence()["total"]
     h = results["headline"] = {
-        "cost_per_token_8k_over_2k": lc[1]["seconds_per_output_token"]
-        / lc[0]["seconds_per_output_token"],
+        "cost_per_token_8k_over_2k": lc[1]["median_seconds_per_output_token"]
+        / lc[0]["median_seconds_per_output_token"],
         "state_bytes_per_seq_measured": measured["bytes_per_seq"],
         "state_bytes_per_seq_computed": computed,
         "tokens_per_s_at_32": _tps(results, "laplace_throughput", 32),
@@ -707,8 +713,8 @@ def headlines(results: dict, cfg: LaplaceConfig, sz: Sizes) -> None:
     x = results["headline_extra"] = {
         "model_forward_cost_per_token_8k_over_2k": lc[1]["model_forward_seconds_per_output_token"]
         / lc[0]["model_forward_seconds_per_output_token"],
-        "median_cost_per_token_8k_over_2k": lc[1]["median_seconds_per_output_token"]
-        / lc[0]["median_seconds_per_output_token"],
+        "best_window_cost_per_token_8k_over_2k": lc[1]["seconds_per_output_token"]
+        / lc[0]["seconds_per_output_token"],
     }
     for n in sz.levels:
         h[f"over_llama_tokens_per_s_p128_s{n}"] = _over(
@@ -734,12 +740,12 @@ def headlines(results: dict, cfg: LaplaceConfig, sz: Sizes) -> None:
         }
     pc = results.get("prefix_cache", {})
     if "cached" in pc:  # turn `turns` (10 in the full run) over turn 1
-        h["prefix_cache_ttft_turn10_over_turn1"] = (
-            pc["cached"][-1]["ttft_s"] / pc["cached"][0]["ttft_s"]
+        h["prefix_cache_ttft_turn10_over_turn1"] = _median_ttft(pc["cached"][-1]) / _median_ttft(
+            pc["cached"][0]
         )
-        x["prefix_cache_off_ttft_turn10_over_turn1"] = (
-            pc["uncached"][-1]["ttft_s"] / pc["uncached"][0]["ttft_s"]
-        )
+        x["prefix_cache_off_ttft_turn10_over_turn1"] = _median_ttft(
+            pc["uncached"][-1]
+        ) / _median_ttft(pc["uncached"][0])
         x["prefix_cache_replies_equal"] = int(pc["replies_equal"])
     for n in sz.compile_levels:  # vLLM's compile mode: over eager, and Laplace over Llama
         lap_c = _tps(results, "laplace_compiled_throughput_p128", n)
@@ -752,10 +758,9 @@ def headlines(results: dict, cfg: LaplaceConfig, sz: Sizes) -> None:
         )
         x[f"over_llama_compiled_tokens_per_s_p128_s{n}"] = _over(lap_c, llama_c)
     if "llama_prefill" in results:
-        x["over_llama_prefill_tokens_per_s"] = (
-            results["laplace_prefill"]["prompt_tokens_per_s"]
-            / results["llama_prefill"]["prompt_tokens_per_s"]
-        )
+        x["over_llama_prefill_tokens_per_s"] = statistics.median(
+            results["laplace_prefill"]["samples_prompt_tokens_per_s"]
+        ) / statistics.median(results["llama_prefill"]["samples_prompt_tokens_per_s"])
     for who in ("laplace", "llama"):
         if f"{who}_compiled_greedy_equal_eager" in results:
             x[f"{who}_compiled_greedy_equal_eager"] = results[f"{who}_compiled_greedy_equal_eager"]
@@ -763,8 +768,10 @@ def headlines(results: dict, cfg: LaplaceConfig, sz: Sizes) -> None:
     if "llama_cost" in results:
         kv_tok, long_p = llama_kv_bytes_per_token(cfg), COST_PROMPTS[1]
         x |= {
-            "llama_cost_per_token_8k_over_2k": results["llama_cost"][1]["seconds_per_output_token"]
-            / results["llama_cost"][0]["seconds_per_output_token"],
+            "llama_cost_per_token_8k_over_2k": results["llama_cost"][1][
+                "median_seconds_per_output_token"
+            ]
+            / results["llama_cost"][0]["median_seconds_per_output_token"],
             "llama_kv_bytes_per_seq_8k": kv_tok * long_p,
             "llama_over_laplace_memory_8k": kv_tok * long_p / computed,
         }
@@ -774,10 +781,12 @@ def headlines(results: dict, cfg: LaplaceConfig, sz: Sizes) -> None:
 def run_notes(results: dict, sz: Sizes, quick: bool) -> list[str]:
     """What a reader of the JSON must know about this run's figures."""
     notes = [
-        "Throughput figures are end to end (all requests added at once, prefill included), "
-        "best of `repeats`. decode_tokens_per_s: output tokens over the wall time of the engine "
-        "steps in which every scheduled request got exactly one token; steps mixing prefill "
-        "chunks and decodes are not split, so it is the rate of the pure-decode phase.",
+        "Throughput figures are end to end (all requests added at once, prefill included); "
+        "tokens_per_s is the best of `repeats`, median_tokens_per_s their median, and the "
+        "headline ratios are of medians. decode_tokens_per_s: output tokens over the wall "
+        "time of the engine steps in which every scheduled request got exactly one token; steps "
+        "mixing prefill chunks and decodes are not split, so it is the rate of the pure-decode "
+        "phase.",
         "shared_budget: both engines are built with kv_cache_memory_bytes = budget_bytes "
         "(VLLM_CPU_KVCACHE_SPACE, which vLLM 0.32 on CPU lets override it in whole GiB, is "
         "unset meanwhile) and the same max_num_seqs (the Laplace adapter's default for that "
@@ -794,9 +803,9 @@ def run_notes(results: dict, sz: Sizes, quick: bool) -> list[str]:
                    if getattr(sz, f.name) != getattr(FULL, f.name)}  # fmt: skip
         notes.append(
             ("QUICK RUN: " if quick else "")
-            + f"sizes differ from the full run's {changed}. The headline keys keep DESIGN.md's "
-            "names, which describe the full sizes (s64, 1280_requests, turn10): these figures "
-            "were measured at the sizes above and are not the full run's."
+            + f"sizes differ from the full run's {changed}. The headline keys keep the names "
+            "of docs/design.md s7, which describe the full sizes (s64, 1280_requests, turn10): "
+            "these figures were measured at the sizes above and are not the full run's."
         )
     for who in ("laplace", "llama"):
         rows = results.get(f"{who}_throughput_p2048", [])
