@@ -1,5 +1,5 @@
 """Retrieval benchmark: tiny Laplace and softmax-attention models trained on MQAR and passkey on
-this CPU, side by side (DESIGN.md s9).
+this CPU, side by side (docs/design.md s9).
 
     python -m bench.retrieval [--quick] [--seeds N] [--steps N] [--work-dir DIR]
 
@@ -10,26 +10,31 @@ parameters, Muon on the same matrices, the same optimizer settings.
 
 Models: 2 layers, 4 heads (d_v = d_model / 4, d_k = d_v / 2, as Laplace), FFN 2 x d_model,
 vocabulary 256 (MQAR: 127 keys, 128 values, so chance is 1/128), the tiny optimizer preset
-(Muon lr 1e-2, cosine to 10%), 2,048 tokens per step, 1,000 steps. Three studies:
+(Muon, cosine to 10%), 2,048 tokens per step, 1,000 steps. Three studies:
 
-- mqar: each mixer, d_model 128, trained on MQAR (64, 4) (`--seeds` seeds) and scored on
-  zoology's small settings (seq_len, pairs) = (64, 4), (128, 8), (256, 16): the recall mechanism
-  is learnt on the easy setting (1,000 steps do not teach it from scratch on the harder ones, to
-  either mixer: measured), and the harder settings ask it to hold 2x and 4x the pairs for 2x and
-  4x as long;
-- state: the same, seed 0, Laplace at (d_model, heads) = (64, 4), (128, 8), (128, 2), (256, 4):
-  GLA state per layer H x d_k x d_v of 512, 1,024, 4,096 and 8,192 values beside the 2,048 of
-  (128, 4); attention at d_model 64;
+- mqar: each mixer, d_model 128, trained on MQAR (64, 4) and scored on zoology's small settings
+  (seq_len, pairs) = (64, 4), (128, 8), (256, 16): the recall mechanism is learnt on the easy
+  setting (1,000 steps do not teach it from scratch on the harder ones, to either mixer:
+  measured), and the harder settings ask it to hold 2x and 4x the pairs for 2x and 4x as long.
+  As zoology does, every mixer is trained at each learning rate of a small sweep (`--lrs`, seed
+  0); the rate with the best mean accuracy over the three settings is that mixer's, and
+  `--seeds` seeds are trained there, whose accuracies (each, mean, spread) the table reports.
+  The whole sweep is kept, so the band of learning rates in which a mixer learns is visible;
+- state: seed 0, each mixer at its best learning rate: Laplace at (d_model, heads) = (128, 2),
+  a GLA state per layer H x d_k x d_v of 4,096 values beside the 2,048 of (128, 4) (one more
+  state size, not more, so that the sweep and its three seeds fit about an hour here);
 - passkey: trained on 64-token contexts with the needle at a random depth, scored at contexts
   of 64, 256, 1,024 and 4,096 tokens and depths 0 (the needle furthest from the question), 0.5
   and 1: Laplace with its decay schedule's T_max = 2,048 and T_max = 64 (how far back a fixed
   decay recalls), and attention (no positional encoding: it too meets lengths it never saw).
 
 The vocabulary is 256, not zoology's 8,192, and runs are short (1,000 steps, 2M tokens), so that
-the whole benchmark fits in under 45 minutes on a 2-core CPU; accuracies are what such short
-runs reach, a lower bound on what longer training gives either mixer.
-Finished runs are kept in `--work-dir` (default runs/bench-retrieval) and reused when the
-benchmark is run again with the same settings.
+the whole benchmark fits in about an hour on a 2-core CPU; accuracies are what such short runs
+reach, a lower bound on what longer training gives either mixer.
+Finished runs are kept in `--work-dir` (default runs/bench-retrieval) and reused only when every
+argument of the training run, the evaluation flags and the code (a hash of the laplace_spec,
+laplace_jax and train sources) are the same; each row of the JSON says whether it was reused and
+from which run directory. `--fresh` retrains everything.
 
 Writes bench/results/retrieval.json (headline: mqar_acc_laplace_256_16, mqar_acc_attention_256_16,
 mqar_acc_laplace_128_8, mqar_acc_attention_128_8, passkey_acc_laplace_max_depth) and
@@ -40,8 +45,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import hashlib
 import io
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -55,6 +63,21 @@ PASSKEY_CONTEXTS = (64, 256, 1024, 4096)
 PASSKEY_DEPTHS = (0.0, 0.5, 1.0)
 MIXERS = ("gla", "attention")
 LABEL = {"gla": "laplace", "attention": "attention"}
+LEARNING_RATES = (3e-3, 1e-2, 3e-2)  # around the tiny preset's 1e-2
+PASSKEY_LR = 1e-2  # the tiny preset's
+CODE = ("laplace_spec", "laplace_jax", "train")  # the packages whose sources key a reused run
+
+
+@functools.cache
+def code_version() -> str:
+    """A hash of the sources that decide what a training run and its scoring compute, as this
+    process loaded them (taken once: edits made while the benchmark runs do not change it)."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(p for package in CODE for p in (root / package).rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def model_overrides(d_model: int, heads: int = 4, t_max: float = 2048.0) -> list[str]:
@@ -78,18 +101,21 @@ def state_per_layer(d_model: int, heads: int) -> int:
     return heads * (d_v // 2) * d_v  # H x d_k x d_v
 
 
-def train(run_dir: Path, spec: dict, steps: int) -> float:
-    """Train one model with `python -m train.main` (in-process); returns the seconds it took.
-    An already finished run (its last checkpoint at `steps`) returns at once."""
-    args = [
+def train_args(run_dir: Path, spec: dict, steps: int) -> list[str]:
+    """The `python -m train.main` arguments of one model."""
+    return [
         "--config", "tiny", "--task", spec["task"], "--run-dir", str(run_dir), "--no-progress",
         "--steps", str(steps), "--mesh", "fsdp=1", "--global-batch-tokens", "2048",
         "--ckpt-every", str(steps), "--log-every", "50",
         *model_overrides(spec["d_model"], spec["heads"], spec["t_max"]),
         f"token_mixer={spec['mixer']}", f"seq_len={spec['seq_len']}", f"seed={spec['seed']}",
         f"total_steps={steps}", "warmup_steps=20", "eval_every=0", "sample_tokens=0",
-        "peak_flops=1e11", "async_checkpoints=false",
+        "peak_flops=1e11", "async_checkpoints=false", f"lr={spec['lr']:g}",
     ]  # fmt: skip
+
+
+def train(args: list[str], run_dir: Path) -> float:
+    """Train one model with `python -m train.main` (in-process); returns the seconds it took."""
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()) as log:
         status = train_main.main(args)
@@ -106,19 +132,23 @@ def evaluate(run_dir: Path, flags: list[str]) -> dict:
     return report
 
 
-def run_one(work: Path, spec: dict, steps: int, eval_flags: list[str], say) -> dict:
-    """Train and score one model, or reuse a finished one's result (scored with the same flags;
-    a finished run scored otherwise is scored again, not retrained)."""
-    name = "-".join(f"{k}{v}" for k, v in spec.items() if k != "task") + f"-steps{steps}"
-    name += "-" + spec["task"].replace(":", "_").replace("=", "").replace(",", "_")
+def run_one(work: Path, spec: dict, steps: int, eval_flags: list[str], say, fresh=False) -> dict:
+    """Train and score one model, or reuse a finished one's result when its training arguments,
+    evaluation flags and code version are all the same (`fresh`: never reuse)."""
+    name = "-".join(f"{k}{v:g}" if k == "lr" else f"{k}{v}" for k, v in spec.items() if k != "task")
+    name += f"-steps{steps}-" + spec["task"].replace(":", "_").replace("=", "").replace(",", "_")
     run_dir = work / name
+    args = train_args(run_dir, spec, steps)
+    key = {"train_args": args, "eval_flags": eval_flags, "code_version": code_version()}
     done = run_dir / "bench_result.json"
-    if done.is_file():
+    if done.is_file() and not fresh:
         result = json.loads(done.read_text())
-        if result.get("eval_flags") == eval_flags:
+        if result.get("key") == key:
             say(f"  {name}: reused")
-            return result
-    seconds = train(run_dir, spec, steps)  # returns at once when the run is already finished
+            return {**result, "reused_from": str(run_dir)}
+    if run_dir.exists():  # another code version or other arguments: train again from scratch
+        shutil.rmtree(run_dir)
+    seconds = train(args, run_dir)
     t0 = time.perf_counter()
     report = evaluate(run_dir, eval_flags)
     cells = [
@@ -126,19 +156,16 @@ def run_one(work: Path, spec: dict, steps: int, eval_flags: list[str], say) -> d
         for r in report["results"]
     ]
     losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").open()]
-    result = {**spec, "steps": steps, "final_loss": losses[-1], "eval_flags": eval_flags}
-    if done.is_file():  # trained by an earlier invocation: keep its training time
-        result["train_s"] = json.loads(done.read_text())["train_s"]
-    else:
-        result["train_s"] = round(seconds, 1)
+    result = {**spec, "steps": steps, "final_loss": losses[-1], "key": key}
+    result["train_s"] = round(seconds, 1)
     result["eval_s"] = round(time.perf_counter() - t0, 1)
     result["cells"] = cells
     done.write_text(json.dumps(result, indent=2))
     say(f"  {name}: {seconds:.0f} s, " + ", ".join(f"{c['accuracy']:.1%}" for c in cells))
-    return result
+    return {**result, "reused_from": None}
 
 
-def mqar_spec(mixer, seed, d_model=128, heads=4) -> dict:
+def mqar_spec(mixer, seed, lr, d_model=128, heads=4) -> dict:
     """A model trained on MQAR (64, 4)."""
     return {
         "mixer": mixer,
@@ -147,43 +174,56 @@ def mqar_spec(mixer, seed, d_model=128, heads=4) -> dict:
         "t_max": 2048.0,
         "seq_len": 64,
         "seed": seed,
+        "lr": lr,
         "task": "mqar:num_pairs=4",
     }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.retrieval", description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="MQAR and passkey, 1 seed, no state")
+    ap.add_argument("--quick", action="store_true", help="1 seed, 1 learning rate, no state")
     ap.add_argument("--seeds", type=int, default=3, help="seeds of the MQAR study (default 3)")
+    ap.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in LEARNING_RATES),
+                    help="learning rates of the MQAR sweep (comma list)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=1000, help="steps per run (default 1000)")
     ap.add_argument("--work-dir", default="runs/bench-retrieval", help="training runs")
+    ap.add_argument("--fresh", action="store_true", help="retrain every run, reuse none")
     args = ap.parse_args(argv)
     steps = args.steps
     seeds = 1 if args.quick else args.seeds
+    lrs = [PASSKEY_LR] if args.quick else [float(x) for x in args.lrs.split(",")]
     work = Path(args.work_dir)
     t_start = time.perf_counter()
+    code_version()  # the sources as loaded now
 
-    # 1. MQAR: each mixer trained on (64, 4), scored on zoology's three small settings
-    print(f"MQAR: d_model 128, trained on (64, 4), {steps} steps, {seeds} seed(s)")
+    def run(spec, flags):
+        return run_one(work, spec, steps, flags, print, fresh=args.fresh)
+
+    # 1. MQAR: each mixer at each learning rate and seed, trained on (64, 4), scored on
+    # zoology's three small settings
+    print(f"MQAR: d_model 128, trained on (64, 4), {steps} steps, lr {lrs}, {seeds} seed(s)")
     flags = ["--task", "mqar", "--seq-lens", "64,128,256", "--pairs", "4,8,16"]
-    mqar = []
-    for mixer in MIXERS:
-        for seed in range(seeds):
-            mqar.append(run_one(work, mqar_spec(mixer, seed), steps, flags, print))
+    mqar = [run(mqar_spec(mixer, 0, lr), flags) for mixer in MIXERS for lr in lrs]
+    best = {mixer: best_lr(mqar, mixer) for mixer in MIXERS}
+    print(f"best learning rates (seed 0, mean over the settings): {best}; more seeds there")
+    mqar += [
+        run(mqar_spec(mixer, seed, best[mixer]), flags)
+        for mixer in MIXERS
+        for seed in range(1, seeds)
+    ]
+    sweep = mqar_sweep(mqar, lrs)
 
-    # 2. accuracy against width and state size
+    # 2. accuracy against the state size, at the mixer's best learning rate
     state = []
     if not args.quick:
-        print("state size: trained on (64, 4), seed 0")
-        for mixer, d_model, heads in (
-            ("gla", 64, 4), ("gla", 128, 8), ("gla", 128, 2), ("gla", 256, 4),
-            ("attention", 64, 4),
-        ):  # fmt: skip
-            state.append(run_one(work, mqar_spec(mixer, 0, d_model, heads), steps, flags, print))
-        state += [r for r in mqar if r["seed"] == 0]
+        print("state size: trained on (64, 4), seed 0, each mixer's best learning rate")
+        points = (("gla", 128, 2),)  # one more state size: the seeds come first (an hour here)
+        for mixer, d_model, heads in points:
+            state.append(run(mqar_spec(mixer, 0, best[mixer], d_model, heads), flags))
+        state += [r for r in mqar if r["seed"] == 0 and r["lr"] == best[r["mixer"]]]
 
     # 3. passkey by depth and context length: how far back the fixed decay recalls
-    print("passkey: trained at 64 tokens (random depth)")
+    print(f"passkey: trained at 64 tokens (random depth), lr {PASSKEY_LR:g}")
     contexts = PASSKEY_CONTEXTS[:3] if args.quick else PASSKEY_CONTEXTS
     flags = ["--task", "passkey", "--context-lens", ",".join(map(str, contexts))]
     flags += ["--depths", ",".join(map(str, PASSKEY_DEPTHS))]
@@ -192,16 +232,20 @@ def main(argv=None) -> int:
         if args.quick and t_max == 64.0:
             continue
         spec = {"mixer": mixer, "d_model": 64, "heads": 4, "t_max": t_max, "seq_len": 64,
-                "seed": 0, "task": "passkey:depth=-1"}  # fmt: skip
-        passkey.append(run_one(work, spec, steps, flags, print))
+                "seed": 0, "lr": PASSKEY_LR, "task": "passkey:depth=-1"}  # fmt: skip
+        passkey.append(run(spec, flags))
 
-    summary = summarise(mqar, state, passkey, contexts)
+    summary = summarise(sweep, best, state, passkey, contexts)
     elapsed = time.perf_counter() - t_start
     runs = {"mqar": mqar, "state": state, "passkey": passkey}
     unique = {json.dumps(r, sort_keys=True): r for rs in runs.values() for r in rs}.values()
     compute = sum(r["train_s"] + r.get("eval_s", 0.0) for r in unique)
+    reused = sorted({r["reused_from"] for r in unique if r["reused_from"]})
     print_tables(summary)
-    print(f"\n{elapsed / 60:.1f} minutes here; {compute / 60:.1f} minutes of training and scoring")
+    print(
+        f"\n{elapsed / 60:.1f} minutes here; {compute / 60:.1f} minutes of training and scoring"
+        f" ({len(reused)} of {len(unique)} runs reused from earlier invocations)"
+    )
     name = "retrieval_quick" if args.quick else "retrieval"  # quick never overwrites the full
     figure = plot(summary, Path(f"bench/results/{name}.png"))
     path = write_result(
@@ -210,21 +254,63 @@ def main(argv=None) -> int:
         quick=args.quick,
         steps=steps,
         seeds=seeds,
+        learning_rates=lrs,
+        code_version=code_version(),
         elapsed_s=round(elapsed, 1),
         train_and_eval_s=round(compute, 1),
+        reused_runs=reused,
         mqar=summary["mqar"],
+        mqar_sweep=summary["sweep"],
         state=summary["state"],
         passkey=summary["passkey"],
         runs=runs,
         notes=(
             "2 layers, 4 heads (unless stated), vocab 256, 2,048 tokens per step, tiny optimizer "
-            "preset (Muon lr 1e-2), each model trained by train.main and scored by train.eval "
-            "on 256 fresh sequences per cell; MQAR accuracy per answer token, passkey accuracy "
-            "per sequence (all 5 digits right)"
+            "preset with the learning rate swept, each model trained by train.main and scored by "
+            "train.eval on 256 fresh sequences per cell; MQAR accuracy per answer token, passkey "
+            "accuracy per sequence (all 5 digits right); mqar: per setting, the learning rate "
+            "with the best mean over the seeds; runs[...].reused_from names the run directory "
+            "of a row reused from an earlier invocation (null: trained by this one)"
         ),
     )
     print(path, figure)
     return 0
+
+
+def mqar_sweep(mqar: list[dict], lrs: list[float]) -> list[dict]:
+    """Per mixer, learning rate and setting: every seed's accuracy, their mean, min and max."""
+    rows = []
+    for mixer in MIXERS:
+        for lr in lrs:
+            for T, P in MQAR_SETTINGS:
+                accs = [
+                    _acc(r, seq_len=T, num_pairs=P)
+                    for r in mqar
+                    if r["mixer"] == mixer and r["lr"] == lr
+                ]
+                rows.append(
+                    {
+                        "mixer": LABEL[mixer],
+                        "lr": lr,
+                        "seq_len": T,
+                        "num_pairs": P,
+                        "seeds": accs,
+                        "mean": statistics.mean(accs),
+                        "min": min(accs),
+                        "max": max(accs),
+                    }
+                )
+    return rows
+
+
+def best_lr(mqar: list[dict], mixer: str) -> float:
+    """The learning rate whose seed-0 model has the best mean accuracy over the settings."""
+
+    def mean_accuracy(run):
+        return statistics.mean(_acc(run, seq_len=T, num_pairs=P) for T, P in MQAR_SETTINGS)
+
+    runs = [r for r in mqar if r["mixer"] == mixer and r["seed"] == 0]
+    return max(runs, key=mean_accuracy)["lr"]
 
 
 def _acc(run: dict, **match) -> float:
@@ -232,15 +318,22 @@ def _acc(run: dict, **match) -> float:
     return cells[0]["accuracy"]
 
 
-def summarise(mqar, state, passkey, contexts) -> dict:
-    """Means and per-seed accuracies of the MQAR grid, the state-size points, the passkey grid."""
+def summarise(sweep, best, state, passkey, contexts) -> dict:
+    """The MQAR grid at each mixer's best learning rate (seeds, mean, spread), the state-size
+    points, the passkey grid."""
     table = []
     for T, P in MQAR_SETTINGS:
         row = {"seq_len": T, "num_pairs": P}
         for mixer in MIXERS:
-            accs = [_acc(r, seq_len=T, num_pairs=P) for r in mqar if r["mixer"] == mixer]
-            row[LABEL[mixer]] = statistics.mean(accs)
-            row[f"{LABEL[mixer]}_seeds"] = accs
+            label = LABEL[mixer]
+            at_best = next(
+                r
+                for r in sweep
+                if (r["mixer"], r["lr"], r["seq_len"], r["num_pairs"]) == (label, best[mixer], T, P)
+            )
+            row[label] = at_best["mean"]
+            row[f"{label}_seeds"] = at_best["seeds"]
+            row[f"{label}_lr"] = best[mixer]
         table.append(row)
     points = sorted(
         (
@@ -248,6 +341,7 @@ def summarise(mqar, state, passkey, contexts) -> dict:
                 "mixer": LABEL[r["mixer"]],
                 "d_model": r["d_model"],
                 "heads": r["heads"],
+                "lr": r["lr"],
                 "state_per_layer": state_per_layer(r["d_model"], r["heads"]),
                 **{f"accuracy_{T}_{P}": _acc(r, seq_len=T, num_pairs=P) for T, P in MQAR_SETTINGS},
             }
@@ -275,17 +369,24 @@ def summarise(mqar, state, passkey, contexts) -> dict:
     headline["passkey_acc_laplace_max_depth"] = next(
         c["accuracy"] for c in laplace["cells"] if c["context"] == deepest and c["depth"] == 0.0
     )
-    return {"headline": headline, "mqar": table, "state": points, "passkey": pk}
+    return {"headline": headline, "mqar": table, "sweep": sweep, "state": points, "passkey": pk}
 
 
 def print_tables(summary: dict) -> None:
-    print("\nMQAR accuracy (mean over seeds; per seed)")
+    print("\nMQAR accuracy at each setting's best learning rate (mean over seeds; per seed)")
     print(f"{'seq_len':>8s} {'pairs':>6s} {'Laplace':>9s} {'attention':>10s}")
     for r in summary["mqar"]:
         seeds = lambda m, r=r: "/".join(f"{a:.0%}" for a in r[f"{m}_seeds"])  # noqa: E731
         print(
             f"{r['seq_len']:8d} {r['num_pairs']:6d} {r['laplace']:9.1%} {r['attention']:10.1%}"
-            f"   ({seeds('laplace')} | {seeds('attention')})"
+            f"   (lr {r['laplace_lr']:g}: {seeds('laplace')} | "
+            f"lr {r['attention_lr']:g}: {seeds('attention')})"
+        )
+    print("\nMQAR sweep: mean (min to max) over seeds")
+    for r in summary["sweep"]:
+        print(
+            f"  {r['mixer']:9s} lr {r['lr']:<6g} ({r['seq_len']}, {r['num_pairs']}): "
+            f"{r['mean']:6.1%} ({r['min']:.1%} to {r['max']:.1%})"
         )
     if summary["state"]:
         print("\nMQAR against the GLA state per layer (heads x d_k x d_v), trained on (64, 4)")
