@@ -30,12 +30,23 @@ layout check.
 In a multi-process run all processes try the same steps (process 0's list) in the same order and
 agree on each outcome (the worst over the processes wins), so they all restore the same step or
 all stop.
+
+Full disks: before each save the free space is compared with the checkpoint's size (its arrays'
+bytes); a checkpoint that cannot fit is not started, and `DiskFull` names the step, the
+directory, the size and the free space, and the checkpoints that remain complete. A save that
+runs out of space while writing all the same (ENOSPC, tensorstore's RESOURCE_EXHAUSTED: another
+writer filled the disk) raises the same `DiskFull`; its partial checkpoint stays as orbax's
+temporary folder, which the next start ignores. Either way the run resumes from the newest
+complete checkpoint once space is freed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
+import shutil
 import time
 import warnings
 from collections.abc import Callable
@@ -91,6 +102,50 @@ class NoUsableCheckpoint(RestoreError):
             f"no checkpoint in {directory} can be restored; every one is corrupt:{lines}\n"
             "nothing was changed"
         )
+
+
+class DiskFull(RuntimeError):
+    """A write of the run's (a checkpoint or the metrics log) failed for lack of space."""
+
+    def __init__(self, what: str, directory: Path, needed: int | None, complete: list[int]):
+        free = shutil.disk_usage(_existing(directory)).free
+        size = f"it needs about {_size(needed)}, " if needed is not None else ""
+        kept = ", ".join(str(s) for s in complete) or "none"
+        then = "resumes from the newest complete checkpoint" if complete else "starts at step 0"
+        super().__init__(
+            f"no space left on the device: {what} ({size}{_size(free)} free at {directory}). "
+            f"Complete checkpoints: {kept}. Free some space and rerun the same command: the run "
+            f"{then}"
+        )
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether `e`, or an exception it was raised from, says the device is out of space."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(e)
+        if "RESOURCE_EXHAUSTED" in text or "No space left on device" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _existing(path: Path) -> Path:
+    """`path`, or its nearest existing parent (disk_usage needs one)."""
+    path = Path(path)
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 class CorruptCheckpointWarning(RuntimeWarning):
@@ -183,6 +238,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
+        self.pending: tuple[int, int] | None = None  # (step, bytes) of the save in flight
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -212,17 +268,44 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, params, opt_state, data_state: dict, meta: dict) -> None:
-        """Start an asynchronous save (the arrays are copied before this returns)."""
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params),
-                opt_state=ocp.args.StandardSave(opt_state),
-                data=ocp.args.JsonSave(data_state),
-                meta=ocp.args.JsonSave({**meta, "step": step}),
-            ),
-            force=True,
+        """Start an asynchronous save (the arrays are copied before this returns).
+
+        Raises `DiskFull`, with nothing written, when the free space is smaller than the
+        checkpoint (after the previous save has finished: orbax waits for it anyway), and when
+        this save or the previous one runs out of space while writing."""
+        self.wait()
+        needed = sum(x.nbytes for x in jax.tree.leaves((params, opt_state)))
+        free = shutil.disk_usage(_existing(self.directory)).free
+        if not _agreed(free >= needed):  # process 0's view, so every process stops together
+            what = f"the checkpoint of step {step} was not started"
+            raise DiskFull(what, self.directory, needed, self.complete_steps())
+        args = ocp.args.Composite(
+            params=ocp.args.StandardSave(params),
+            opt_state=ocp.args.StandardSave(opt_state),
+            data=ocp.args.JsonSave(data_state),
+            meta=ocp.args.JsonSave({**meta, "step": step}),
         )
+        with self._out_of_space(f"saving the checkpoint of step {step} failed", needed):
+            self.manager.save(step, args=args, force=True)
+        self.pending = (step, needed)
+
+    @contextlib.contextmanager
+    def _out_of_space(self, what: str, needed: int | None):
+        """Turn a lack of space in the block (or in the save still in flight) into DiskFull."""
+        try:
+            yield
+        except Exception as e:
+            if not is_disk_full(e):
+                raise
+            if self.pending is not None:  # an asynchronous save's error shows up at the next call
+                what = f"saving the checkpoint of step {self.pending[0]} failed"
+                needed = self.pending[1]
+            self.pending = None
+            raise DiskFull(what, self.directory, needed, self.complete_steps()) from None
+
+    def complete_steps(self) -> list[int]:
+        """The steps whose checkpoints are complete on disk (orbax's finalised directories)."""
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
 
     def read_meta(self, step: int) -> dict:
         return self.reader.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
@@ -333,12 +416,24 @@ class Checkpointer:
         self.reader.reload()
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait for the save in flight; DiskFull when it ran out of space."""
+        with self._out_of_space("a checkpoint save failed", None):
+            self.manager.wait_until_finished()
+        self.pending = None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
-        self.reader.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+            self.reader.close()
+
+    def abandon(self) -> None:
+        """After a failed save: stop orbax's writers, without reporting that failure again."""
+        for stop in (self.manager.wait_until_finished, self.manager.close, self.reader.close):
+            with contextlib.suppress(Exception):
+                stop()
+        self.pending = None
 
 
 def _item_handlers() -> dict:
@@ -359,6 +454,13 @@ def _read(what: str, fn):
         if cause is None:
             raise
         raise _Corrupt(f"{what}: {_short(cause)}") from e
+
+
+def _agreed(flag: bool) -> bool:
+    """Process 0's `flag`, on every process."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
 
 
 def _agreed_steps(local: list[int]) -> list[int]:

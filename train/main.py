@@ -65,12 +65,15 @@ from laplace_spec.config import ConfigError  # noqa: E402
 from train import config as train_config  # noqa: E402
 from train.checkpoint import (  # noqa: E402
     Checkpointer,
+    DiskFull,
     NoUsableCheckpoint,
     RestoreError,
     config_diff,
+    is_disk_full,
 )
 from train.config import RunConfigs, batch_layout  # noqa: E402
 from train.metrics import Metrics, json_number  # noqa: E402
+from train.preemption import PREEMPTED_EXIT, PreemptionWatch  # noqa: E402
 from train.step import EVAL_BATCH_AXES, TRAIN_BATCH_AXES  # noqa: E402
 
 PEAK_REMEASURE_S = 60.0  # measure the matmul rate (MFU's denominator) again at most this often
@@ -568,9 +571,10 @@ def announce(t: Trainer, name: str, train_tokens: int, notes: list[str]) -> None
 # ---- the loop -------------------------------------------------------------------------------
 
 
-def train_loop(t: Trainer, hooks: Hooks) -> int:
-    """Steps t.start+1 .. steps: train, evaluate, log, checkpoint. 0, or 2 after too many
-    non-finite steps in a row."""
+def train_loop(t: Trainer, hooks: Hooks, watch: PreemptionWatch) -> int:
+    """Steps t.start+1 .. steps: train, evaluate, log, checkpoint. 0; 2 after too many
+    non-finite steps in a row; PREEMPTED_EXIT after a preemption notice (`watch`), once the
+    step it arrived in is checkpointed."""
     tc, (_, A, M) = t.cfg.train, t.layout
     batch_sharding = logical_sharding(t.mesh, TRAIN_BATCH_AXES)
     global_shape = (A, M, t.cfg.model.seq_len + 1)
@@ -613,13 +617,39 @@ def train_loop(t: Trainer, hooks: Hooks) -> int:
             bar.close()
             stop_on_bad_streak(t, int(m["bad_streak"]))
             return 2
-        if (done % tc.ckpt_every == 0 or is_last) and m["bad_streak"] == 0:
-            params, opt_state = t.state["params"], t.state["opt_state"]
-            t.ckpt.save(done, params, opt_state, t.batches.get_state(), t.meta)
+        saved = (done % tc.ckpt_every == 0 or is_last) and m["bad_streak"] == 0
+        if saved:
+            save_checkpoint(t, done)
         if hooks.after_step is not None:
             hooks.after_step(done)
+        if watch.reached(done):
+            bar.close()
+            return stop_on_preemption(t, done, saved or m["bad_streak"] > 0)
     bar.close()
     return 0
+
+
+def save_checkpoint(t: Trainer, done: int) -> None:
+    params, opt_state = t.state["params"], t.state["opt_state"]
+    t.ckpt.save(done, params, opt_state, t.batches.get_state(), t.meta)
+
+
+def stop_on_preemption(t: Trainer, done: int, saved: bool) -> int:
+    """Save step `done` (unless saved already, or its update was skipped as non-finite: then
+    the last good checkpoint stays the newest), wait for the write, say where it is."""
+    if not saved:
+        save_checkpoint(t, done)
+    t.ckpt.wait()
+    steps = t.ckpt.all_steps()
+    where = t.ckpt_dir / str(steps[-1]) if steps else "none"
+    step = steps[-1] if steps else 0
+    who = f" (process {jax.process_index()})" if jax.process_count() > 1 else ""
+    print(  # every process says it: each saved its part of the same step
+        f"\npreempted at step {step}{who}: checkpoint saved to {where}; rerun the same command to "
+        f"resume (exit status {PREEMPTED_EXIT})",
+        flush=True,
+    )
+    return PREEMPTED_EXIT
 
 
 def log_step(t: Trainer, done: int, m: dict, val_loss, window, bar) -> None:
@@ -693,12 +723,24 @@ def finish(t: Trainer, status: int) -> int:
 
 def run(args, hooks: Hooks | None = None) -> int:
     t = set_up(args)
+    watch = PreemptionWatch(t.ckpt.manager.reached_preemption, t.say)
     try:
-        status = train_loop(t, hooks or Hooks())
+        return finish(t, train_loop(t, hooks or Hooks(), watch))
+    except DiskFull:
+        t.ckpt.abandon()
+        raise
+    except OSError as e:
+        if not is_disk_full(e):
+            t.ckpt.close()
+            raise
+        t.ckpt.abandon()
+        what = f"writing {t.metrics.path} failed; it keeps every complete line"
+        raise DiskFull(what, t.metrics.path.parent, None, t.ckpt.complete_steps()) from None
     except BaseException:
         t.ckpt.close()  # let a started save finish; the exception goes on
         raise
-    return finish(t, status)
+    finally:
+        watch.close()
 
 
 def print_sample(params, cfg, tokenizer_path, tcfg) -> None:
@@ -726,7 +768,7 @@ def main(argv=None, hooks: Hooks | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    except (ConfigError, RestoreError) as e:
+    except (ConfigError, RestoreError, DiskFull) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if jax.process_index() == 0:

@@ -8,7 +8,9 @@ runs `python -m train.main TRAIN_ARGS` (on instance I of N) with the environment
 `neuron_env` and, unless TRAIN_ARGS set them, `scan_unroll=true` (the Neuron compiler needs the
 whole backward graph), `init_on_host=true` (RNG init compiles slowly on a NeuronCore) and
 `peak_flops` from `PEAK_FLOPS` (the MFU denominator). `--dry-run` prints the environment and
-the command and exits. If the runtime rejects Muon's all_to_all, add `muon_mode=gather` to
+the command and exits. The launcher `exec`s the trainer (the same process id), so a
+scheduler's SIGTERM reaches `train.main` itself, which saves and exits 75 (train/preemption.py).
+If the runtime rejects Muon's all_to_all, add `muon_mode=gather` to
 TRAIN_ARGS: the gather form uses only all-gathers (docs/design.md s4), the one-flag fallback.
 
 This project has not run any of this on Trainium hardware: the environment builder is unit

@@ -1,0 +1,221 @@
+"""Preemption and full disks lose nothing (train/preemption.py, train/checkpoint.py DiskFull): a
+real trainer subprocess sent SIGTERM saves the step it reached and exits PREEMPTED_EXIT, two JAX
+processes save the same step when one of them is signalled, a real ENOSPC from a small tmpfs
+stops the run with one message and exit 2, and every case resumes on the uninterrupted loss
+curve."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_train import REPO, _args, _ckpt_steps, _free_port, _losses, shards  # noqa: F401
+
+from train import main as train_main
+from train.preemption import PREEMPTED_EXIT
+
+COMMON = ("--steps", "12", "--ckpt-every", "1000", "--log-every", "1", "eval_every=0")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(shards, tmp_path_factory):  # noqa: F811
+    run = tmp_path_factory.mktemp("whole") / "run"
+    assert train_main.main(_args(shards, run, *COMMON)) == 0
+    return _losses(run)
+
+
+def _start(args, env=None, devices=8):
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        **(env or {}),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "train.main", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_logged_steps(run: Path, n: int, procs, timeout: float = 240.0) -> None:
+    """Until metrics.jsonl holds `n` steps (the run is mid-way, past its compilation)."""
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError([p.communicate() for p in procs])
+        time.sleep(0.05)
+    raise AssertionError(f"{metrics}: fewer than {n} steps after {timeout} s")
+
+
+def _preempted_step(out: str) -> int:
+    line = next(x for x in out.splitlines() if x.startswith("preempted at step "))
+    return int(line.split()[3].rstrip(":"))  # "preempted at step N[ (process i)]: ..."
+
+
+def _resume_and_compare(shards, run, step, uninterrupted):  # noqa: F811
+    out = subprocess.run(
+        [sys.executable, "-m", "train.main", *_args(shards, run, *COMMON)],
+        cwd=REPO,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resumed from {run / 'checkpoints' / str(step)} at step {step}" in out.stdout
+    got = _losses(run)
+    assert sorted(got) == list(range(1, 13))
+    assert got == uninterrupted
+
+
+def test_sigterm_saves_the_step_it_reached_and_the_rerun_continues_the_curve(
+    shards,  # noqa: F811
+    tmp_path,
+    uninterrupted,
+):
+    run = tmp_path / "run"
+    proc = _start(_args(shards, run, *COMMON))
+    _wait_for_logged_steps(run, 4, [proc])
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # a second signal while it saves: ignored
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == PREEMPTED_EXIT, err[-3000:]
+    step = _preempted_step(out)
+    assert 4 <= step < 12
+    assert f"checkpoint saved to {run / 'checkpoints' / str(step)}; rerun the same command" in out
+    assert "SIGTERM received again: ignored until the checkpoint is saved" in err
+    assert "Traceback" not in err
+    assert _ckpt_steps(run / "checkpoints") == [step]
+    assert max(_losses(run)) == step  # the log ends at the saved step: nothing to supersede
+    _resume_and_compare(shards, run, step, uninterrupted)
+
+
+def test_two_processes_save_the_same_step_when_one_gets_sigterm(shards, tmp_path):  # noqa: F811
+    """JAX's preemption service: process 1 alone is signalled, both save one agreed step."""
+    run, port = tmp_path / "run", _free_port()
+    args = _args(shards, run, *COMMON)
+    procs = [
+        _start(
+            args,
+            {
+                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": str(i),
+            },
+            devices=2,
+        )
+        for i in range(2)
+    ]
+    try:
+        _wait_for_logged_steps(run, 4, procs)
+        procs[1].send_signal(signal.SIGTERM)
+        outputs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == PREEMPTED_EXIT, err[-3000:]
+    steps = {_preempted_step(out) for out, _ in outputs}
+    assert len(steps) == 1, [out[-500:] for out, _ in outputs]
+    assert all(f"(process {i}): checkpoint saved" in out for i, (out, _) in enumerate(outputs))
+    (step,) = steps
+    assert 4 <= step < 12 and _ckpt_steps(run / "checkpoints") == [step]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MB tmpfs (root only; CI runs as root), unmounted afterwards."""
+    where = tmp_path / "small"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(where)])
+    if mounted.returncode != 0:
+        pytest.fail("this test needs to mount a tmpfs (run as root)")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_full_disk_stops_with_one_message_and_resumes_once_space_is_freed(
+    shards,  # noqa: F811
+    small_disk,
+    uninterrupted,
+):
+    run = small_disk / "run"
+    args = _args(shards, run, *COMMON[:2], "--ckpt-every", "3", "--log-every", "1")
+    args += ["eval_every=0", "keep_checkpoints=10"]
+    out = subprocess.run(
+        [sys.executable, "-m", "train.main", *args],
+        cwd=REPO,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    complete = _ckpt_steps(run / "checkpoints")
+    assert complete and complete == list(range(3, 3 * len(complete) + 1, 3))
+    failed = complete[-1] + 3
+    message = (
+        f"error: no space left on the device: the checkpoint of step {failed} was not started "
+        f"(it needs about "
+    )
+    assert message in out.stderr, out.stderr[-3000:]
+    assert f"Complete checkpoints: {', '.join(map(str, complete))}. Free some space" in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert len(out.stderr.strip().splitlines()) <= 5, out.stderr
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == list(range(1, len(logged) + 1))
+    assert len(logged) == failed  # the save comes after the step's line: nothing lost
+    assert not [p for p in (run / "checkpoints").iterdir() if "tmp" in p.name]  # nothing partial
+
+    # free space: grow the filesystem, then the same command resumes from the last complete one
+    grow = ["mount", "-o", "remount,size=64m", str(small_disk)]
+    subprocess.run(grow, check=True)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "train.main", *args],
+        cwd=REPO,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        capture_output=True,
+        text=True,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {complete[-1]}" in resumed.stdout
+    assert _losses(run) == uninterrupted
+
+
+def test_a_full_disk_under_the_metrics_log_stops_with_one_message(shards, tmp_path):  # noqa: F811
+    """A real ENOSPC on metrics.jsonl (a 1 MB tmpfs filled but for 8 kB): exit 2, one message,
+    every complete line kept."""
+    where = tmp_path / "tiny"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)]).returncode:
+        pytest.fail("this test needs to mount a tmpfs (run as root)")
+    try:
+        free = os.statvfs(where).f_bavail * os.statvfs(where).f_frsize
+        (where / "filler").write_bytes(bytes(free - 8192))
+        run = where / "run"
+        args = _args(shards, run, "--steps", "40", "--ckpt-every", "1000", "--log-every", "1")
+        out = subprocess.run(
+            [sys.executable, "-m", "train.main", *args, "eval_every=0"],
+            cwd=REPO,
+            env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 2, out.stderr[-3000:]
+        message = f"error: no space left on the device: writing {run / 'metrics.jsonl'} failed"
+        assert message in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        complete = [json.loads(line) for line in lines[:-1]]
+        assert [r["step"] for r in complete] == list(range(1, len(complete) + 1))
+        assert len(complete) >= 5
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
