@@ -641,12 +641,14 @@ def stop_on_preemption(t: Trainer, done: int, saved: bool) -> int:
         save_checkpoint(t, done)
     t.ckpt.wait()
     steps = t.ckpt.all_steps()
-    where = t.ckpt_dir / str(steps[-1]) if steps else "none"
-    step = steps[-1] if steps else 0
     who = f" (process {jax.process_index()})" if jax.process_count() > 1 else ""
+    if steps:
+        saved_to = f"checkpoint saved to {t.ckpt_dir / str(steps[-1])}"
+    else:  # every step so far was skipped as non-finite
+        saved_to = "no checkpoint (no finite step yet)"
     print(  # every process says it: each saved its part of the same step
-        f"\npreempted at step {step}{who}: checkpoint saved to {where}; rerun the same command to "
-        f"resume (exit status {PREEMPTED_EXIT})",
+        f"\npreempted at step {steps[-1] if steps else done}{who}: {saved_to}; rerun the same "
+        f"command to resume (exit status {PREEMPTED_EXIT})",
         flush=True,
     )
     return PREEMPTED_EXIT
@@ -723,7 +725,7 @@ def finish(t: Trainer, status: int) -> int:
 
 def run(args, hooks: Hooks | None = None) -> int:
     t = set_up(args)
-    watch = PreemptionWatch(t.ckpt.manager.reached_preemption, t.say)
+    watch = PreemptionWatch(t.ckpt.manager.reached_preemption)
     try:
         return finish(t, train_loop(t, hooks or Hooks(), watch))
     except DiskFull:

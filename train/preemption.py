@@ -29,9 +29,8 @@ PREEMPTED_EXIT = 75
 class PreemptionWatch:
     """Whether this run has been asked to stop, checked once per step (`reached`)."""
 
-    def __init__(self, reached_sync_point: Callable[[int], bool], say=print):
+    def __init__(self, reached_sync_point: Callable[[int], bool]):
         self.reached_sync_point = reached_sync_point
-        self.say = say
         self.received: str | None = None  # the first signal's name (one process)
         self.several = jax.process_count() > 1
         self.previous = {}
