@@ -135,7 +135,10 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
     key = jax.eval_shape(lambda: jax.random.key(0, impl="rbg"))  # train.main's PRNG on Neuron
     prompt = min(m.chunk_size, m.seq_len)
     abs_state = jax.eval_shape(lambda: init_state(m, 1))
-    init = jax.jit(lambda k: init_params(m, k), out_shardings=parts["p_shard"])
+    if t.init_on_host:  # the launcher's setting: one unsharded program on the host CPU, as
+        init = jax.jit(lambda k: init_params(m, k))  # train.main.init_params_on_host runs it
+    else:
+        init = jax.jit(lambda k: init_params(m, k), out_shardings=parts["p_shard"])
     programs = {
         "init_params": lambda: init.lower(key),
         "init_optimizer": lambda: jax.jit(parts["tx"].init, out_shardings=parts["o_shard"]).lower(
@@ -150,7 +153,6 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
         "generate_prefill": lambda: _prefill.lower(m, abs_params, tokens((1, prompt), None)),
         "generate_decode": lambda: _decode.lower(m, abs_params, tokens((1,), None), abs_state),
     }
-    # init_on_host=true (the launcher's setting): parameter init runs on the host CPU
     on_host = {"init_params"} if t.init_on_host else set()
     report = {}
     for name, lower in programs.items():
