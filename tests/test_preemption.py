@@ -4,6 +4,7 @@ processes save the same step when one of them is signalled, a real ENOSPC from a
 stops the run with one message and exit 2, and every case resumes on the uninterrupted loss
 curve."""
 
+import contextlib
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train import REPO, _args, _ckpt_steps, _free_port, _losses, shards  # noqa: F401
+from test_train import REPO, _args, _ckpt_steps, _free_port, _losses, _subprocess, shards  # noqa: F401
 
 from train import main as train_main
 from train.preemption import PREEMPTED_EXIT
@@ -63,13 +64,7 @@ def _preempted_step(out: str) -> int:
 
 
 def _resume_and_compare(shards, run, step, uninterrupted):  # noqa: F811
-    out = subprocess.run(
-        [sys.executable, "-m", "train.main", *_args(shards, run, *COMMON)],
-        cwd=REPO,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
-        capture_output=True,
-        text=True,
-    )
+    out = _subprocess(_args(shards, run, *COMMON))
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints' / str(step)} at step {step}" in out.stdout
     got = _losses(run)
@@ -132,16 +127,24 @@ def test_two_processes_save_the_same_step_when_one_gets_sigterm(shards, tmp_path
     assert 4 <= step < 12 and _ckpt_steps(run / "checkpoints") == [step]
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 3 MB tmpfs (root only; CI runs as root), unmounted afterwards."""
-    where = tmp_path / "small"
+@contextlib.contextmanager
+def tmpfs(where: Path, size: str):
+    """A real filesystem of `size` at `where` (mounting needs root; CI runs as root)."""
     where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(where)])
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)])
     if mounted.returncode != 0:
         pytest.fail("this test needs to mount a tmpfs (run as root)")
-    yield where
-    subprocess.run(["umount", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MB filesystem: two tiny checkpoints fit, the third does not."""
+    with tmpfs(tmp_path / "small", "3m") as where:
+        yield where
 
 
 def test_a_full_disk_stops_with_one_message_and_resumes_once_space_is_freed(
@@ -152,13 +155,7 @@ def test_a_full_disk_stops_with_one_message_and_resumes_once_space_is_freed(
     run = small_disk / "run"
     args = _args(shards, run, *COMMON[:2], "--ckpt-every", "3", "--log-every", "1")
     args += ["eval_every=0", "keep_checkpoints=10"]
-    out = subprocess.run(
-        [sys.executable, "-m", "train.main", *args],
-        cwd=REPO,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
-        capture_output=True,
-        text=True,
-    )
+    out = _subprocess(args)
     assert out.returncode == 2, out.stderr[-3000:]
     complete = _ckpt_steps(run / "checkpoints")
     assert complete and complete == list(range(3, 3 * len(complete) + 1, 3))
@@ -179,13 +176,7 @@ def test_a_full_disk_stops_with_one_message_and_resumes_once_space_is_freed(
     # free space: grow the filesystem, then the same command resumes from the last complete one
     grow = ["mount", "-o", "remount,size=64m", str(small_disk)]
     subprocess.run(grow, check=True)
-    resumed = subprocess.run(
-        [sys.executable, "-m", "train.main", *args],
-        cwd=REPO,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
-        capture_output=True,
-        text=True,
-    )
+    resumed = _subprocess(args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {complete[-1]}" in resumed.stdout
     assert _losses(run) == uninterrupted
@@ -194,22 +185,12 @@ def test_a_full_disk_stops_with_one_message_and_resumes_once_space_is_freed(
 def test_a_full_disk_under_the_metrics_log_stops_with_one_message(shards, tmp_path):  # noqa: F811
     """A real ENOSPC on metrics.jsonl (a 1 MB tmpfs filled but for 8 kB): exit 2, one message,
     every complete line kept."""
-    where = tmp_path / "tiny"
-    where.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)]).returncode:
-        pytest.fail("this test needs to mount a tmpfs (run as root)")
-    try:
+    with tmpfs(tmp_path / "tiny", "1m") as where:
         free = os.statvfs(where).f_bavail * os.statvfs(where).f_frsize
         (where / "filler").write_bytes(bytes(free - 8192))
         run = where / "run"
         args = _args(shards, run, "--steps", "40", "--ckpt-every", "1000", "--log-every", "1")
-        out = subprocess.run(
-            [sys.executable, "-m", "train.main", *args, "eval_every=0"],
-            cwd=REPO,
-            env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
-            capture_output=True,
-            text=True,
-        )
+        out = _subprocess([*args, "eval_every=0"])
         assert out.returncode == 2, out.stderr[-3000:]
         message = f"error: no space left on the device: writing {run / 'metrics.jsonl'} failed"
         assert message in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
@@ -217,5 +198,3 @@ def test_a_full_disk_under_the_metrics_log_stops_with_one_message(shards, tmp_pa
         complete = [json.loads(line) for line in lines[:-1]]
         assert [r["step"] for r in complete] == list(range(1, len(complete) + 1))
         assert len(complete) >= 5
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
