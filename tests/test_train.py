@@ -594,3 +594,10 @@ def test_batch_layout():
 
 def test_optimizer_presets_exist_for_the_train_presets():
     assert {"small", "tiny", "laplace-3b"} <= set(OPTIMIZER_PRESETS)
+
+
+def test_data_that_matches_no_shard_is_one_error_line(tmp_path, capsys):
+    args = ["--config", "tiny", "--data", str(tmp_path / "none_*.bin"), "--run-dir", str(tmp_path)]
+    assert train_main.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no token shards match") and "Traceback" not in err

@@ -758,6 +758,8 @@ def print_sample(params, cfg, tokenizer_path, tcfg) -> None:
 
 
 def main(argv=None, hooks: Hooks | None = None) -> int:
+    from train.data import ShardError
+
     args = parse_args(argv)
     t0 = time.perf_counter()
     try:
@@ -770,7 +772,7 @@ def main(argv=None, hooks: Hooks | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    except (ConfigError, RestoreError, DiskFull) as e:
+    except (ConfigError, RestoreError, DiskFull, ShardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if jax.process_index() == 0:
