@@ -210,6 +210,12 @@ def neuron_env(
 # ---- the launcher ---------------------------------------------------------------------------
 
 
+def unset_settings(overrides: list[str], wanted: dict[str, str]) -> list[str]:
+    """`key=value` for each of `wanted` that the `key=value` `overrides` do not set."""
+    given = {item.partition("=")[0].removeprefix("train.") for item in overrides}
+    return [f"{k}={v}" for k, v in wanted.items() if k not in given]
+
+
 def train_settings(train_args: list[str], n_devices: int, logical_nc: int) -> list[str]:
     """The `key=value` settings the launcher adds to the train.main arguments: each one unless
     the arguments already set it. `peak_flops` is the table's trn2 peak times the mesh's devices
@@ -217,14 +223,13 @@ def train_settings(train_args: list[str], n_devices: int, logical_nc: int) -> li
     from train import main as train_main
 
     args = train_main.parse_args(train_args)
-    given = {item.partition("=")[0].removeprefix("train.") for item in args.overrides}
     if args.mesh:
         sizes = [part.partition("=")[2] for part in args.mesh.split(",")]
         if all(s.isdigit() for s in sizes):
             n_devices = math.prod(int(s) for s in sizes)
     peak = PEAK_FLOPS[f"trn2-lnc{logical_nc}"] * n_devices
     wanted = {**LAUNCH_SETTINGS, "peak_flops": f"{peak:.6g}"}
-    return [f"{k}={v}" for k, v in wanted.items() if k not in given]
+    return unset_settings(args.overrides, wanted)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -43,7 +43,7 @@ import os
 import sys
 import time
 
-from train.neuron import LAUNCH_SETTINGS, PEAK_FLOPS
+from train.neuron import LAUNCH_SETTINGS, PEAK_FLOPS, unset_settings
 
 GIB = 1024**3
 CENSUS_VIOLATIONS = (
@@ -73,9 +73,7 @@ TRN2 = {
 
 def with_launch_settings(overrides: list[str]) -> list[str]:
     """`overrides` with the Neuron launcher's settings added where they do not set them."""
-    given = {item.partition("=")[0].removeprefix("train.") for item in overrides}
-    added = [f"{k}={v}" for k, v in LAUNCH_SETTINGS.items() if k not in given]
-    return [*added, *overrides]
+    return [*unset_settings(overrides, LAUNCH_SETTINGS), *overrides]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
