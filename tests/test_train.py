@@ -323,27 +323,42 @@ def test_corrupt_newest_checkpoint_resumes_from_the_older_and_keeps_the_log(
     assert (run / "checkpoints-corrupt" / "8" / "params").is_dir()
 
 
-def _two_processes(args, port):
+def _start(args, devices=8, env=None):
+    """`python -m train.main ARGS` in the background, on `devices` CPU devices."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        **(env or {}),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "train.main", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _start_two_processes(args, port):
     """The trainer as 2 JAX processes of 2 CPU devices each (jax.distributed on 127.0.0.1)."""
-    procs = []
-    for i in range(2):
-        env = {
-            **os.environ,
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-            "JAX_NUM_PROCESSES": "2",
-            "JAX_PROCESS_ID": str(i),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "train.main", *args],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )  # fmt: skip
+    return [
+        _start(
+            args,
+            devices=2,
+            env={
+                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": str(i),
+            },
         )
+        for i in range(2)
+    ]
+
+
+def _two_processes(args, port):
+    """The two processes of `_start_two_processes`, run to the end."""
+    procs = _start_two_processes(args, port)
     try:
         outputs = [p.communicate(timeout=300) for p in procs]
     finally:  # a hung pair (processes out of step) must not outlive the test
