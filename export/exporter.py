@@ -12,8 +12,8 @@ Folder layout written by `export_model`:
     configuration_laplace.py,            `auto_map` names the two classes, so any transformers
     modeling_laplace.py                  process loads the folder with trust_remote_code=True
 
-Only `read_checkpoint` touches orbax (imported lazily); the rest is numpy (and flax's
-`flatten_dict`), so the checks and the writer are testable and reusable without a checkpoint.
+Only `read_checkpoint` touches orbax (train/checkpoint.py's reader, imported lazily); the rest is
+numpy (and flax's `flatten_dict`), so the checks and the writer are testable and reusable without a checkpoint.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict
 
 from laplace_spec import names
-from laplace_spec.config import LaplaceConfig
+from laplace_spec.config import DEFAULT_SERVE_LENGTH, LaplaceConfig
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3  # 2 GiB per safetensors file, as HF writes them
 TOKENIZER_FILES = (
@@ -47,50 +47,23 @@ class ExportError(ValueError):
     """The checkpoint cannot be exported; the message says what and where."""
 
 
-# ---- reading the checkpoint (the only orbax code; adapt here if the layout changes) ---------
+# ---- reading the checkpoint (train/checkpoint.py's reader, the one orbax reader) --------------
 
 
 def read_checkpoint(checkpoint_dir: str | Path, step: int | None = None):
     """Read the 'params' item (and the 'meta' item if present) of an orbax checkpoint.
 
-    Returns (params: nested dict of numpy arrays, step: int, meta: dict | None). The optimizer
-    state and the data-iterator state are never read.
+    Returns (params: nested dict of numpy arrays in host memory, step: int, meta: dict | None).
+    The optimizer state and the data-iterator state are never read.
     """
-    import orbax.checkpoint as ocp  # JAX side only
+    from train.checkpoint import CheckpointReader, ReadError  # JAX side only
 
-    checkpoint_dir = Path(checkpoint_dir).resolve()
-    if not checkpoint_dir.is_dir():
-        raise ExportError(f"checkpoint directory not found: {checkpoint_dir}")
-    mngr = ocp.CheckpointManager(checkpoint_dir)
     try:
-        steps = list(mngr.all_steps())
-        if not steps:
-            raise ExportError(f"no checkpoint steps under {checkpoint_dir}")
-        if step is None:
-            step = max(steps)
-        elif step not in steps:
-            raise ExportError(f"step {step} not in {checkpoint_dir} (steps: {sorted(steps)})")
-        step_dir = checkpoint_dir / str(step)
-        if not (step_dir / "params").exists():
-            items = sorted(p.name for p in step_dir.iterdir() if not p.name.startswith("_"))
-            raise ExportError(
-                f"checkpoint {step_dir} has no 'params' item (items: {', '.join(items)})"
-            )
-        # PyTreeRestore without a target gives numpy arrays: host memory only, one copy
-        restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore()))
-        params = _to_numpy(restored["params"])
-        meta = None
-        if (step_dir / "meta").exists():
-            meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    finally:
-        mngr.close()
-    return params, step, meta
-
-
-def _to_numpy(tree):
-    if isinstance(tree, Mapping):
-        return {str(k): _to_numpy(v) for k, v in tree.items()}
-    return np.asarray(tree)
+        with CheckpointReader(checkpoint_dir) as reader:
+            step = reader.step(step)
+            return reader.params(step), step, reader.meta(step)
+    except ReadError as e:
+        raise ExportError(str(e)) from e
 
 
 # ---- checks and conversion (numpy only) -------------------------------------------------------
@@ -356,7 +329,7 @@ def export_model(
     ids: dict[str, int | None] = {}
     if tokenizer_dir is not None:
         ids = copy_tokenizer(Path(tokenizer_dir), out_dir)
-    config = hf_config(cfg, dtype, ids, max_len or max(65_536, cfg.seq_len))
+    config = hf_config(cfg, dtype, ids, max_len or max(DEFAULT_SERVE_LENGTH, cfg.seq_len))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_remote_code(out_dir)
     meta = {"dtype": dtype, "n_tensors": len(tensors), **dict(source or {})}

@@ -10,8 +10,9 @@ import math
 
 from flax import traverse_util
 
-from laplace_jax.model import abstract_params, is_muon_path
+from laplace_jax.model import abstract_params
 from laplace_spec.config import LaplaceConfig
+from laplace_spec.param_groups import is_muon_path
 
 
 def parameter_counts(config: LaplaceConfig) -> dict[str, int]:

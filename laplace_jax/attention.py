@@ -39,25 +39,28 @@ def _allowed(T: int, reset) -> jax.Array:
     return causal & (doc[:, :, None] == doc[:, None, :])  # [B, T, T]
 
 
-def causal_attention_reference(q, k, v, reset=None):
-    """The definition. q, k: [B, T, H, K]; v: [B, T, H, V] -> o [B, T, H, V] fp32."""
+def causal_attention_reference(q, k, v, reset=None, scale=None):
+    """The definition. q, k: [B, T, H, K]; v: [B, T, H, V] -> o [B, T, H, V] fp32.
+    `scale` defaults to K ** -0.5 (the model passes its config's `qk_scale`)."""
     T, K = q.shape[1], q.shape[-1]
-    s = jnp.einsum("bthk,bshk->bhts", q.astype(f32), k.astype(f32)) * K**-0.5  # [B, H, T, T]
+    scale = K**-0.5 if scale is None else scale
+    s = jnp.einsum("bthk,bshk->bhts", q.astype(f32), k.astype(f32)) * scale  # [B, H, T, T]
     allowed = _allowed(T, reset)
     allowed = allowed[None, None] if reset is None else allowed[:, None]  # [., ., T, T]
     p = jax.nn.softmax(jnp.where(allowed, s, -jnp.inf), axis=-1)
     return jnp.einsum("bhts,bshv->bthv", p, v.astype(f32))
 
 
-def causal_attention(q, k, v, reset=None):
+def causal_attention(q, k, v, reset=None, scale=None):
     """Head by head, scores recomputed in the backward. Shapes and result as the reference."""
     T, K = q.shape[1], q.shape[-1]
+    scale = K**-0.5 if scale is None else scale
     allowed = _allowed(T, reset)  # [T, T] or [B, T, T], broadcast against [B, T, T] scores
 
     @jax.checkpoint
     def one_head(qkv):  # q, k: [B, T, K]; v: [B, T, V] (one head)
         qh, kh, vh = qkv
-        s = jnp.einsum("btk,bsk->bts", qh.astype(f32), kh.astype(f32)) * K**-0.5  # [B, T, T]
+        s = jnp.einsum("btk,bsk->bts", qh.astype(f32), kh.astype(f32)) * scale  # [B, T, T]
         p = jax.nn.softmax(jnp.where(allowed, s, -jnp.inf), axis=-1)
         return jnp.einsum("bts,bsv->btv", p, vh.astype(f32))  # [B, T, V]
 

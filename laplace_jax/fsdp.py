@@ -18,10 +18,12 @@ FSDP ideal's second gather (docs/design.md s8). The parameter tree is unchanged
 (`layer_{i}/...`): the stacking is of each device's local shards, inside the step, and moves no
 data between devices.
 
-The math is the model's own: the layer is `DecoderLayer`, the norm and head `LayerNorm` and
-`Dense` of laplace_jax/model.py, applied to gathered weights; only where the weights come from
-differs. `tests/test_fsdp.py` checks loss and gradients against `jax.value_and_grad` of the
-plain model.
+The math is the model's own: `LaplaceLM` runs the embedding, final norm and head on gathered
+weights, with its decoder layers replaced by the scan of `DecoderLayer` (its `layers` argument),
+and the loss is laplace_jax/loss.py's; only where the weights come from differs. Which weights
+travel in the compute dtype is the `gather_in_compute_dtype` column of
+laplace_spec/param_groups.py. `tests/test_fsdp.py` checks loss and gradients against
+`jax.value_and_grad` of the plain model.
 """
 
 from __future__ import annotations
@@ -31,19 +33,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import traverse_util
 from jax.sharding import Mesh, PartitionSpec
 
-from laplace_jax.model import (
-    DecoderLayer,
-    Dense,
-    LaplaceLM,
-    LayerNorm,
-    is_muon_path,
-    reset_after_eot,
-)
+from laplace_jax.loss import next_token_losses
+from laplace_jax.model import DecoderLayer, LaplaceLM
 from laplace_jax.sharding import FSDP
+from laplace_spec.param_groups import param_group
 
 f32 = jnp.float32
 
@@ -56,9 +52,8 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
-# Weights cast to the compute dtype before their gather: those the model multiplies in it anyway
-# (`Dense` kernels and the embedding table). Everything else is gathered, and used, in fp32.
-CAST_TOP_LEVEL = ("embed/embedding", "lm_head/kernel")
+# The parameters outside the decoder layers, which `LaplaceLM` applies itself around the scan.
+TOP_LEVEL = ("embed/embedding", "ln_f/scale", "lm_head/kernel")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
@@ -123,8 +118,7 @@ def make_loss_and_grad(
     flat_specs = traverse_util.flatten_dict(param_specs, sep="/")
 
     def gather_args(path):  # static (axis, dtype, mesh axes) of the parameter at `path`
-        layer_path = "layer_0/" + path.split("/", 1)[1] if path.startswith("layer_") else path
-        cast = is_muon_path(layer_path) or path in CAST_TOP_LEVEL
+        cast = param_group(path).gather_in_compute_dtype  # laplace_spec/param_groups.py
         return fsdp_axis(flat_specs[path]), dtype if cast else f32, mesh_axes
 
     layer_args = {  # "qkvg/kernel" -> static gather arguments (the same for every layer)
@@ -133,6 +127,8 @@ def make_loss_and_grad(
 
     def gather(params, path):
         return gather_weight(params[path], *gather_args(path))
+
+    decoder_layer = DecoderLayer(cfg, model.unroll)  # built here, outside the model's apply
 
     def layer(x, stacked_shards, reset=None):  # x: [b, T, D]; one layer's shards; reset [b, T]
         weights = {p: gather_weight(stacked_shards[p], *layer_args[p]) for p in layer_args}
@@ -143,7 +139,7 @@ def make_loss_and_grad(
         }
         layer_params = traverse_util.unflatten_dict(weights, sep="/")
         kw = {} if reset is None else {"reset": reset}
-        x, _ = DecoderLayer(cfg, model.unroll).apply({"params": layer_params}, x, state, **kw)
+        x, _ = decoder_layer.apply({"params": layer_params}, x, state, **kw)
         return x, None
 
     if REMAT_POLICIES[remat] is not None:
@@ -151,20 +147,17 @@ def make_loss_and_grad(
 
     def local_loss(shards, tokens, n_global, mask=None):
         # shards: this device's {path: shard}; tokens: its sequences [b, T + 1]; mask: [b, T]
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [b, T]
-        x = jnp.take(gather(shards, "embed/embedding"), inputs, axis=0).astype(dtype)
         stacked = {  # [L, ...] per layer parameter: local shards only, no communication
             p: jnp.stack([shards[f"layer_{i}/{p}"] for i in range(L)]) for p in layer_args
         }
-        if eot_id is None:
-            x, _ = jax.lax.scan(layer, x, stacked)  # [b, T, D]
-        else:  # document starts: the token after each EOT (reset [b, T] bool)
-            reset = reset_after_eot(inputs, eot_id)
+
+        def layers(x, reset):  # the decoder layers: a scan over the stacked shards, [b, T, D]
             x, _ = jax.lax.scan(lambda x, s: layer(x, s, reset), x, stacked)
-        h = LayerNorm(cfg.norm_eps).apply({"params": {"scale": gather(shards, "ln_f/scale")}}, x)
-        head = Dense(cfg.vocab_size, ("embed", "vocab"), cfg.init_std, dtype)
-        logits = head.apply({"params": {"kernel": gather(shards, "lm_head/kernel")}}, h)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(f32), targets)
+            return x
+
+        top = {p: gather(shards, p) for p in TOP_LEVEL}  # embedding, final norm, head
+        top = traverse_util.unflatten_dict(top, sep="/")
+        ce = next_token_losses(model, top, tokens, eot_id, layers)  # [b, T] fp32
         if mask is not None:  # only the scored targets count
             ce = jnp.where(mask, ce, 0.0)
         return ce.sum() / n_global  # this device's share of the global mean

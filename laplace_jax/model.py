@@ -35,24 +35,9 @@ import numpy as np
 from laplace_jax.attention import causal_attention
 from laplace_jax.gla import gla_chunked, gla_step
 from laplace_spec.config import LaplaceConfig
+from laplace_spec.param_groups import is_muon_path  # noqa: F401  (importers moving to laplace_spec)
 
 f32 = jnp.float32
-
-# The 2-D weight matrices that Muon orthogonalises, by module name inside a decoder layer.
-# The embedding and the LM head are 2-D too but go to AdamW.
-MUON_MATRICES = ("qkvg", "out", "w12", "w3")
-
-
-def is_muon_path(path: str) -> bool:
-    """`layer_3/w12/kernel` -> True; `embed/embedding`, `lm_head/kernel` -> False."""
-    parts = path.split("/")
-    return (
-        len(parts) == 3
-        and parts[0].startswith("layer_")
-        and parts[1] in MUON_MATRICES
-        and parts[2] == "kernel"
-    )
-
 
 def _param(module, name, init, shape, axes):
     """A float32 parameter tagged with its logical axes."""
@@ -180,11 +165,13 @@ class DecoderLayer(nn.Module):
                     "token_mixer='attention' (the retrieval baseline) has no recurrent state to "
                     "decode from: it trains and evaluates full sequences only"
                 )
-            o = causal_attention(q, k, v, reset)  # [B, T, H, dv]; keeps no state
+            o = causal_attention(q, k, v, reset, cfg.qk_scale)  # [B, T, H, dv]; keeps no state
             gla_state = state["gla"]
         elif decode:  # the O(1) recurrent step
             r = None if reset is None else reset[:, 0]
-            o, gla_state = gla_step(q[:, 0], k[:, 0], v[:, 0], log_decay, state["gla"], reset=r)
+            o, gla_state = gla_step(
+                q[:, 0], k[:, 0], v[:, 0], log_decay, state["gla"], scale=cfg.qk_scale, reset=r
+            )
             o = o[:, None]  # [B, 1, H, dv]
         else:
             o, gla_state = gla_chunked(
@@ -193,6 +180,7 @@ class DecoderLayer(nn.Module):
                 v,
                 log_decay,
                 chunk_size=cfg.chunk_size,
+                scale=cfg.qk_scale,
                 initial_state=state["gla"],
                 unroll=self.unroll,
                 reset=reset,
@@ -239,29 +227,37 @@ class LaplaceLM(nn.Module):
             cfg.vocab_size, ("embed", "vocab"), cfg.init_std, jnp.dtype(cfg.compute_dtype)
         )
 
-    def _run(self, tokens, state, decode, reset=None):
+    def _run(self, tokens, state, decode, reset=None, layers=None):
         cfg = self.config
         if cfg.token_mixer == "attention" and state is not None:
             raise ValueError(
                 "token_mixer='attention' keeps no recurrent state: call the model on whole "
                 "sequences, without `state`"
             )
-        if state is None:
-            state = init_state(cfg, tokens.shape[0])
         x = self.embed(tokens).astype(jnp.dtype(cfg.compute_dtype))  # [B, T, D]
-        new_state = {}
-        kw = {} if reset is None else {"reset": reset}
-        for i, layer in enumerate(self.layers):
-            x, new_state[f"layer_{i}"] = layer(x, state[f"layer_{i}"], decode, **kw)
+        if layers is not None:  # the decoder layers run by the caller (FSDP: gathered weights)
+            x, new_state = layers(x, reset), None
+        else:
+            state = init_state(cfg, tokens.shape[0]) if state is None else state
+            new_state = {}
+            kw = {} if reset is None else {"reset": reset}
+            for i, layer in enumerate(self.layers):
+                x, new_state[f"layer_{i}"] = layer(x, state[f"layer_{i}"], decode, **kw)
         logits = self.lm_head(self.ln_f(x)).astype(f32)  # [B, T, V]
         return logits, new_state
 
-    def __call__(self, tokens, state=None, reset=None):
+    def __call__(self, tokens, state=None, reset=None, layers=None):
         """Full sequence or prefill from `state`. tokens: [B, T] -> ([B, T, V], state).
 
         reset: [B, T] bool or None, True where a packed document starts (`reset_after_eot`);
-        a reset at position 0 discards `state`."""
-        return self._run(tokens, state, decode=False, reset=reset)
+        a reset at position 0 discards `state`.
+
+        layers: None, or f(x [B, T, D], reset) -> x, which then runs the decoder layers in place
+        of this module's own (from empty states; the returned state is None). laplace_jax/fsdp.py
+        passes a `lax.scan` of `DecoderLayer` over weights it gathers layer by layer, so the
+        embedding, final norm and head here are the only top-level forward there is; its params
+        then hold just `embed`, `ln_f` and `lm_head`."""
+        return self._run(tokens, state, decode=False, reset=reset, layers=layers)
 
     def decode_step(self, tokens, state):
         """One token per sequence. tokens: [B] -> (logits [B, V], state)."""

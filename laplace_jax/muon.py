@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from laplace_jax.muon_tiles import TilePool, ns_grouped, orthogonalize_sharded, plan_tiles
 from laplace_jax.newton_schulz import NS_DTYPES
@@ -61,8 +61,9 @@ def shape_factor(kernel_shape: tuple[int, int], kind: str) -> float:
 class MuonPlan:
     """Static description of how the Muon matrices are orthogonalised.
 
-    `shapes`: path -> stored kernel shape of every Muon matrix; `mesh` and `sharded` (the paths
-    whose rows are split over `axis`) are needed in `gather` and `a2a` modes.
+    `shapes`: path -> stored kernel shape of every Muon matrix; `mesh` and `specs` (path -> the
+    matrix's PartitionSpec, as the rules table of laplace_jax/sharding.py placed it: rows split
+    over `axis`, or whole) are needed in `gather` and `a2a` modes.
     """
 
     shapes: dict[str, tuple[int, int]]
@@ -72,7 +73,7 @@ class MuonPlan:
     shape_factor: str = "adamw_rms"
     mesh: Mesh | None = None
     axis: str = FSDP
-    sharded: frozenset[str] = frozenset()
+    specs: dict[str, PartitionSpec] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -83,6 +84,15 @@ class MuonPlan:
             raise ValueError(f"shape_factor must be one of {SHAPE_FACTORS}")
         if self.mode != "single" and self.mesh is None:
             raise ValueError(f"muon mode {self.mode!r} needs a mesh")
+        for path, spec in self.specs.items():
+            rows, rest = (tuple(spec) + (None,))[0], tuple(spec)[1:]
+            if rows not in (None, self.axis) or any(e is not None for e in rest):
+                raise ValueError(f"Muon needs ({self.axis}, None) or whole matrices: {path} {spec}")
+
+    @property
+    def sharded(self) -> frozenset[str]:
+        """The paths whose rows are split over `axis`."""
+        return frozenset(p for p, spec in self.specs.items() if spec and spec[0] == self.axis)
 
     @property
     def n(self) -> int:
@@ -107,7 +117,7 @@ class MuonPlan:
                 mode=self.mode,
                 mesh=self.mesh,
                 axis=self.axis,
-                sharded=self.sharded,
+                specs=self.specs,
                 steps=self.ns_steps,
                 dtype=self.dtype,
             )

@@ -260,19 +260,21 @@ def orthogonalize_sharded(
     mode: str,
     mesh: Mesh,
     axis: str,
-    sharded: frozenset[str],
+    specs: dict[str, PartitionSpec],
     steps: int,
     dtype,
 ) -> dict[str, jax.Array]:
     """`gather` or `a2a` inside `jax.shard_map` over `axis`: path -> Nesterov direction (whole
-    arrays, row-sharded where `path in sharded`) -> path -> orthogonalised, in `dtype`.
+    arrays placed as `specs` says, the parameters' PartitionSpecs from the rules table: rows
+    over `axis`, or whole) -> path -> orthogonalised, in `dtype`.
 
     Replicated matrices are orthogonalised on every device; `rest` (gather mode, and sharded
     matrices the tile layout cannot take) are all-gathered per shape group, each device keeping
     its own rows; the a2a pools go through `_a2a_pool`.
     """
     paths = sorted(grads)
-    spec = {p: PartitionSpec(axis) if p in sharded else PartitionSpec() for p in paths}
+    spec = {p: specs.get(p, PartitionSpec()) for p in paths}
+    sharded = {p for p in paths if spec[p] and spec[p][0] == axis}
     if mode == "a2a":
         pools, rest = plan_tiles(
             {p: tuple(grads[p].shape) for p in paths if p in sharded}, mesh.shape[axis]

@@ -1,7 +1,7 @@
 """The Laplace optimizer: Muon for the 2-D weight matrices, AdamW for the rest, one schedule.
 
-Which parameter goes where is decided by its path (`laplace_jax.model.is_muon_path`: the
-`qkvg`, `out`, `w12` and `w3` kernels of every layer, 96 for 3B), never by `ndim`: the embedding
+Which parameter goes where, and which decays, is the table of laplace_spec/param_groups.py (Muon:
+the `qkvg`, `out`, `w12` and `w3` kernels of every layer, 96 for 3B), never `ndim`: the embedding
 and the LM head are 2-D but go to AdamW. Both share `learning_rate_schedule` (linear warmup, then
 cosine to `min_lr_ratio`); AdamW runs at `adamw_lr_ratio` times Muon's rate.
 
@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import traverse_util
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from laplace_jax import muon as muon_lib
-from laplace_jax.model import is_muon_path
 from laplace_jax.newton_schulz import NS_DTYPES
 from laplace_jax.sharding import FSDP, replicated
+from laplace_spec.param_groups import is_muon_path, param_group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,28 +121,30 @@ def _path(key_path) -> str:
 
 
 def param_labels(params_like):
-    """A tree like params of "muon" / "adamw", chosen by path."""
+    """A tree like params of "muon" / "adamw" (the table's `optimizer` column)."""
     return jax.tree_util.tree_map_with_path(
-        lambda kp, _: "muon" if is_muon_path(_path(kp)) else "adamw", params_like
+        lambda kp, _: param_group(_path(kp)).optimizer, params_like
     )
 
 
 def _adamw_decay_mask(params):
-    """AdamW decays kernels and the embedding; not norm scales, biases or aug_balance."""
+    """The table's `weight_decay` column: kernels and the embedding, not norm scales, biases or
+    aug_balance. (Muon decays every matrix it updates: they all have it.)"""
     return jax.tree_util.tree_map_with_path(
-        lambda kp, _: _path(kp).rsplit("/", 1)[-1] in ("kernel", "embedding"), params
+        lambda kp, _: param_group(_path(kp)).weight_decay, params
     )
 
 
-def _is_row_sharded(leaf, n: int) -> bool:
-    """Rows split over `fsdp`: from the leaf's sharding if it has one, else the contract's rule."""
+def _spec(path: str, leaf) -> PartitionSpec:
+    """A Muon matrix's PartitionSpec, read from its NamedSharding (the rules table placed it)."""
     sharding = getattr(leaf, "sharding", None)
-    if isinstance(sharding, NamedSharding):
-        spec = tuple(sharding.spec) + (None,) * (len(leaf.shape) - len(sharding.spec))
-        if spec[1:] != (None,) * (len(leaf.shape) - 1) or spec[0] not in (None, FSDP):
-            raise ValueError(f"Muon needs row-sharded (fsdp, None) matrices, got {sharding.spec}")
-        return spec[0] == FSDP
-    return leaf.shape[0] % n == 0
+    if not isinstance(sharding, NamedSharding):
+        raise ValueError(
+            f"with a mesh, Muon reads how each matrix is split from its NamedSharding; {path} has "
+            f"{sharding!r} (pass params or `abstract_with_shardings(abstract_params(cfg), "
+            "param_shardings(cfg, mesh))`)"
+        )
+    return sharding.spec
 
 
 def muon_plan(opt_cfg: OptimizerConfig, params_like, mesh: Mesh | None = None):
@@ -153,8 +155,7 @@ def muon_plan(opt_cfg: OptimizerConfig, params_like, mesh: Mesh | None = None):
         if len(x.shape) != 2:
             raise ValueError(f"Muon parameter {p} is not a matrix: shape {x.shape}")
     mode = opt_cfg.muon_mode if mesh is not None else "single"
-    n = 1 if mesh is None else mesh.shape[FSDP]
-    sharded = frozenset(p for p, x in mats.items() if mesh is not None and _is_row_sharded(x, n))
+    specs = {} if mesh is None else {p: _spec(p, x) for p, x in mats.items()}
     return muon_lib.MuonPlan(
         shapes={p: tuple(x.shape) for p, x in mats.items()},
         mode=mode,
@@ -163,7 +164,7 @@ def muon_plan(opt_cfg: OptimizerConfig, params_like, mesh: Mesh | None = None):
         shape_factor=opt_cfg.shape_factor,
         mesh=mesh,
         axis=FSDP,
-        sharded=sharded,
+        specs=specs,
     )
 
 
@@ -172,10 +173,10 @@ def make_optimizer(
 ) -> optax.GradientTransformation:
     """Muon (by path) + AdamW, one schedule. `params_like`: params or their abstract shapes.
 
-    With a mesh, `gather`/`a2a` run inside `shard_map` over the mesh axis `fsdp`; each Muon
-    matrix is taken as row-sharded when its leaf carries such a NamedSharding, or (abstract
-    shapes without sharding) when its rows divide by the mesh size, as
-    `laplace_jax.sharding.param_shardings` shards it. Without a mesh all modes are `single`.
+    With a mesh, `gather`/`a2a` run inside `shard_map` over the mesh axis `fsdp`, and each Muon
+    matrix is split as its leaf's NamedSharding says (`laplace_jax.sharding.param_shardings`,
+    the rules table; abstract shapes carry it through `abstract_with_shardings`). Without a
+    mesh all modes are `single`.
     """
     schedule = learning_rate_schedule(opt_cfg)
     plan = muon_plan(opt_cfg, params_like, mesh)

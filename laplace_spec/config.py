@@ -22,6 +22,9 @@ DTYPES = ("float32", "bfloat16")
 TOKEN_MIXERS = ("gla", "attention")
 FP32_BYTES = 4
 BF16_BYTES = 2
+# The serving limit an export declares by default (config.json's max_position_embeddings): the
+# state is fixed-size, so any length is servable; this is only the number vLLM schedules against.
+DEFAULT_SERVE_LENGTH = 65_536
 
 
 class ConfigError(ValueError):
@@ -65,6 +68,11 @@ class LaplaceConfig:
     def qkvg_dim(self) -> int:
         """Output width of the fused W_qkvg: H (2 d_k + 2 d_v) (9,216 for 3B)."""
         return sum(self.qkvg_split)
+
+    @property
+    def qk_scale(self) -> float:
+        """The query scale of the token mixer, d_k ** -0.5 (GLA and attention, every framework)."""
+        return self.d_k**-0.5
 
     @property
     def heads_per_tier(self) -> int:

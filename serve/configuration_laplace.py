@@ -17,7 +17,7 @@ import dataclasses
 
 from transformers import AutoConfig, PreTrainedConfig
 
-from laplace_spec.config import LaplaceConfig
+from laplace_spec.config import DEFAULT_SERVE_LENGTH, LaplaceConfig
 
 FIELDS = tuple(f.name for f in dataclasses.fields(LaplaceConfig))
 
@@ -34,7 +34,10 @@ class LaplaceHFConfig(PreTrainedConfig):
     }
 
     def __init__(
-        self, max_position_embeddings: int = 65_536, tie_word_embeddings: bool = False, **kwargs
+        self,
+        max_position_embeddings: int = DEFAULT_SERVE_LENGTH,
+        tie_word_embeddings: bool = False,
+        **kwargs,
     ):
         # the model fields: defaults, int -> float coercion and validation from the dataclass
         spec = LaplaceConfig.from_dict({k: kwargs.pop(k) for k in FIELDS if k in kwargs})

@@ -126,7 +126,7 @@ class LaplaceMixer(nn.Module):
         super().__init__()
         c = config
         self.n_heads, self.d_k, self.d_v = c.n_heads, c.d_k, c.d_v
-        self.chunk_size, self.eps, self.scale = c.chunk_size, c.norm_eps, c.d_k**-0.5
+        self.chunk_size, self.eps, self.scale = c.chunk_size, c.norm_eps, c.qk_scale
         self.qkvg_split, self.heads_per_tier = c.qkvg_split, c.heads_per_tier
         # conv as plain parameters (not vLLM linear classes: its CPU backend repacks those)
         self.conv_weight = nn.Parameter(torch.zeros(c.d_model, c.conv_width))  # [D, W]

@@ -15,10 +15,11 @@ import pytest
 
 from laplace_jax.fsdp import make_loss_and_grad
 from laplace_jax.gla import gla_chunked, gla_recurrent
+from laplace_jax.loss import next_token_loss
 from laplace_jax.model import LaplaceLM, init_params, reset_after_eot
 from laplace_jax.sharding import logical_sharding, make_mesh, param_shardings, param_specs
 from laplace_spec.config import get_config
-from train.step import EVAL_BATCH_AXES, loss_fn
+from train.step import EVAL_BATCH_AXES
 
 TINY = get_config("tiny")  # seq_len 64, chunk_size 16
 EOT = TINY.vocab_size - 1
@@ -260,10 +261,10 @@ def test_fsdp_loss_gradients_equal_separate_documents():
     # a rounding-level change per token shows as ~1e-4 of a leaf's largest entry (computed in
     # float64 the packed and separate gradients agree to 3e-15); without resets: ~1e-1
     assert _max_rel(grads, ref_grads) < 1e-3
-    plain = jax.jit(jax.grad(lambda p, t: loss_fn(model, p, t)))(params, tokens)
+    plain = jax.jit(jax.grad(lambda p, t: next_token_loss(model, p, t)))(params, tokens)
     assert _max_rel(plain, ref_grads) > 1e-2
     # the same math as the plain model's loss with resets: only summation order differs
-    packed_ref = jax.jit(jax.grad(lambda p, t: loss_fn(model, p, t, EOT)))(params, tokens)
+    packed_ref = jax.jit(jax.grad(lambda p, t: next_token_loss(model, p, t, EOT)))(params, tokens)
     assert _max_rel(grads, packed_ref) < 1e-3
     # with the answer-position mask of train/tasks.py as well
     mask = jnp.asarray(np.random.default_rng(4).random((8, 64)) < 0.5)

@@ -1,7 +1,7 @@
 """`python -m train.eval` (train/eval.py): MQAR / passkey accuracy and perplexity of a checkpoint
 written by a short real `train.main --task mqar` run, checked against independent computations
 (a handcrafted checkpoint whose greedy answer is known, LaplaceLM.apply on the same batches,
-train.step.loss_fn); JSON and PNG written; bad inputs exit 2 naming the problem."""
+laplace_jax.loss.next_token_loss); JSON and PNG written; bad inputs exit 2 naming the problem."""
 
 import json
 import math
@@ -16,6 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from laplace_jax.loss import next_token_loss
 from laplace_jax.model import LaplaceLM, abstract_params, init_params
 from laplace_spec.config import get_config
 from train import eval as train_eval
@@ -23,7 +24,6 @@ from train import main as train_main
 from train import tasks
 from train.checkpoint import Checkpointer
 from train.data import TokenWindows, eval_batches, write_shard
-from train.step import loss_fn
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = get_config("tiny")  # vocab 320, seq_len 64, chunk_size 16
@@ -186,7 +186,7 @@ def test_ppl_is_exp_of_the_mean_loss_fn(run, tmp_path):
         run / "checkpoints" / "4" / "params", abstract_params(TINY)
     )
     batches = eval_batches(TokenWindows([str(shard)], 64), 8, 3)
-    loss = jax.jit(lambda p, t: loss_fn(LaplaceLM(TINY), p, t))
+    loss = jax.jit(lambda p, t: next_token_loss(LaplaceLM(TINY), p, t))
     losses = [float(loss(params, b)) for b in batches]
     assert res["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
     assert res["perplexity"] == pytest.approx(math.exp(np.mean(losses)), rel=1e-5)

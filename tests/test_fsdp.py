@@ -1,8 +1,9 @@
 """FSDP with explicit collectives (laplace_jax/fsdp.py) against the plain model's gradient.
 
-The truth is `jax.value_and_grad` of the model's own loss (`train.step.loss_fn`), which XLA
-shards by itself: the explicit per-layer gathers, fp32 reduce-scatters, layer scan and
-rematerialisation must change where bytes live, never the loss or the gradient.
+The truth is `jax.value_and_grad` of the model's own loss (`laplace_jax.loss.next_token_loss`
+through the model's own layer loop), which XLA shards by itself: the explicit per-layer gathers,
+fp32 reduce-scatters, layer scan and rematerialisation must change where bytes live, never the
+loss or the gradient.
 """
 
 import jax
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from laplace_jax.fsdp import REMAT_POLICIES, fsdp_axis, make_loss_and_grad
+from laplace_jax.loss import next_token_loss
 from laplace_jax.model import LaplaceLM, init_params
 from laplace_jax.sharding import (
     FSDP,
@@ -20,7 +22,7 @@ from laplace_jax.sharding import (
     param_specs,
 )
 from laplace_spec.config import get_config
-from train.step import EVAL_BATCH_AXES, loss_fn
+from train.step import EVAL_BATCH_AXES
 
 TINY = get_config("tiny")
 
@@ -49,7 +51,7 @@ def test_explicit_fsdp_equals_the_plain_gradient_in_fp32(data, remat):
     each leaf's largest entry; only summation order differs) as the plain model's."""
     mesh, batch, params, tokens = _setup(TINY, data)
     model = LaplaceLM(TINY)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(model, p, t)))(
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p, t: next_token_loss(model, p, t)))(
         params, tokens
     )
     fn = make_loss_and_grad(model, mesh, param_specs(TINY, mesh), batch.spec, remat)
@@ -74,7 +76,7 @@ def test_bf16_compute_matches_the_plain_bf16_model_and_stays_close_to_fp32():
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
     for cfg, loss_tol in ((bf16, 1e-4), (TINY, 1e-2)):
         ref_loss, ref_grads = jax.jit(
-            jax.value_and_grad(lambda p, t, c=cfg: loss_fn(LaplaceLM(c), p, t))
+            jax.value_and_grad(lambda p, t, c=cfg: next_token_loss(LaplaceLM(c), p, t))
         )(params, tokens)
         assert abs(float(loss) - float(ref_loss)) <= loss_tol * float(ref_loss), cfg
         if cfg is bf16:

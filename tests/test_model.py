@@ -1,12 +1,15 @@
 """The Flax model against a float64 NumPy transcription of docs/design.md section 2; invariants."""
 
 import math
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax.traverse_util import flatten_dict
 
 from laplace_jax.accounting import parameter_counts
@@ -15,11 +18,25 @@ from laplace_jax.model import (
     abstract_params,
     init_params,
     init_state,
-    is_muon_path,
 )
 from laplace_spec.config import PRESETS
+from laplace_spec.param_groups import PARAM_GROUPS, is_muon_path, param_group, table_key
 
 TINY = PRESETS["tiny"]
+
+
+def test_param_groups_table_is_the_documented_contract():
+    """laplace_spec/param_groups.py against docs/parameters.md: one row per documented path, the
+    documented optimizer; every parameter of the model has a row and every row is used."""
+    doc = (Path(__file__).parents[1] / "docs" / "parameters.md").read_text()
+    rows = re.findall(r"^\| `([^`]+)` \|.*\| (Muon|AdamW) \|$", doc, re.M)
+    documented = {table_key(p.replace("{i}", "0")): opt.lower() for p, opt in rows}
+    assert documented == {k: g.optimizer for k, g in PARAM_GROUPS.items()}
+    shapes = flatten_dict(abstract_params(PRESETS["laplace-3b"]), sep="/")
+    assert {table_key(p) for p in shapes} == set(PARAM_GROUPS)
+    assert sum(param_group(p).optimizer == "muon" for p in shapes) == 96
+    with pytest.raises(KeyError, match="layer_0/nope"):
+        param_group("layer_0/nope")
 
 
 def randomised_params(cfg, seed=0):

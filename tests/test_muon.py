@@ -16,13 +16,14 @@ from flax.traverse_util import flatten_dict
 from jax.sharding import NamedSharding, PartitionSpec
 
 from laplace_jax import muon
-from laplace_jax.model import abstract_params, init_params, is_muon_path
+from laplace_jax.model import abstract_params, init_params
 from laplace_jax.muon_accounting import a2a_bytes_per_device, gather_bytes_per_device, ns_flops
 from laplace_jax.muon_tiles import plan_tiles
 from laplace_jax.newton_schulz import NS_DTYPES, newton_schulz
 from laplace_jax.optim import OPTIMIZER_PRESETS, make_optimizer, opt_state_shardings
 from laplace_jax.sharding import FSDP, make_mesh, param_shardings
 from laplace_spec.config import PRESETS
+from laplace_spec.param_groups import is_muon_path
 
 A, B, C = 3.4445, -4.7750, 2.0315
 
@@ -361,14 +362,14 @@ def test_mixed_shapes_fallbacks():
     mesh = make_mesh(8)
     shapes = {"a": (16, 100), "b": (16, 60), "d": (40, 16), "c": (20, 40), "e": (24, 48)}
     sharded = frozenset(p for p, s in shapes.items() if s[0] % 8 == 0)
+    spec = {k: PartitionSpec(FSDP) if k in sharded else PartitionSpec() for k in shapes}
     grads = {k: jnp.asarray(v) for k, v in _random(shapes, 7).items()}
     ref = jax.jit(muon.MuonPlan(shapes, ns_dtype="float32").orthogonalize)(grads)
-    plan = muon.MuonPlan(shapes, "a2a", ns_dtype="float32", mesh=mesh, sharded=sharded)
+    plan = muon.MuonPlan(shapes, "a2a", ns_dtype="float32", mesh=mesh, specs=spec)
     pools, rest = plan.pools()
     # s = 16 pool: w = gcd(100, 60, 40) = 20 does not split in 8 rows, so the tall `d` goes
     # to the all-gather fallback; `c` (20 rows) is replicated and orthogonalised locally.
     assert rest == ["d"] and sorted(p.short_side for p in pools) == [16, 24]
-    spec = {k: PartitionSpec(FSDP) if k in sharded else PartitionSpec() for k in shapes}
     fn = jax.jit(plan.orthogonalize)
     got = fn({k: jax.device_put(v, NamedSharding(mesh, spec[k])) for k, v in grads.items()})
     for k in shapes:

@@ -1,6 +1,7 @@
 """Orbax checkpoints of a training run: save asynchronously, keep the last N, restore safely.
 
-A checkpoint is an orbax Composite of four items (the exporter reads `params` and `meta`):
+A checkpoint is an orbax Composite of four items (evaluation and export read `params` and `meta`
+through `CheckpointReader`, the one read-only reader):
 
 - `params`: the plain Flax params dict (docs/parameters.md), fp32;
 - `opt_state`: the optax optimizer state;
@@ -434,6 +435,115 @@ class Checkpointer:
             with contextlib.suppress(Exception):
                 stop()
         self.pending = None
+
+
+class ReadError(RuntimeError):
+    """A checkpoint cannot be read for evaluation or export; the message names it and why."""
+
+
+class CheckpointReader:
+    """Read-only access to a checkpoint directory for evaluation and export: the one reader
+    besides `Checkpointer.restore_latest` (which resumes training and handles corruption).
+
+        with CheckpointReader(run / "checkpoints") as reader:
+            step = reader.step(None)                      # the newest complete step
+            meta = reader.meta(step)                      # the JSON item, or None
+            params = reader.params(step, target)          # placed as `target` says
+
+    Every failure is a `ReadError` naming the checkpoint: no such directory or step, an
+    incomplete save, a missing `params` item, corrupt or unreadable data (as `corruption`
+    judges it), parameters whose paths or shapes differ from the target.
+    """
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory).absolute()
+        if not self.directory.is_dir():
+            raise ReadError(f"checkpoint directory not found: {self.directory}")
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(read_only=True),
+            item_handlers={k: v for k, v in _item_handlers().items() if k in ("params", "meta")},
+        )
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.manager.close()
+
+    def step(self, step: int | None) -> int:
+        """`step` if a finished save of it exists (None: the newest one)."""
+        steps = sorted(self.manager.all_steps())
+        if step is None:
+            if not steps:
+                raise ReadError(f"no checkpoint steps under {self.directory}")
+            return steps[-1]
+        if step not in steps:
+            if (self.directory / str(step)).is_dir():
+                raise ReadError(
+                    f"checkpoint {self.directory / str(step)} is incomplete (no finished save "
+                    f"of step {step})"
+                )
+            raise ReadError(f"step {step} not in {self.directory} (steps: {steps})")
+        return step
+
+    def meta(self, step: int) -> dict | None:
+        """The `meta` JSON item of `step`, or None when it has none."""
+        if not (self.directory / str(step) / "meta").exists():
+            return None
+        args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+        return self._read(step, "its meta", lambda: self.manager.restore(step, args=args)["meta"])
+
+    def params(self, step: int, target=None) -> dict:
+        """The `params` item of `step`. `target`: `jax.ShapeDtypeStruct`s with shardings (e.g.
+        `abstract_with_shardings(abstract_params(cfg), param_shardings(cfg, mesh))`), checked
+        against the saved paths and shapes before any array is read; None: the saved layout,
+        as numpy arrays in host memory (the exporter)."""
+        where = self.directory / str(step)
+        if not (where / "params").exists():
+            items = sorted(p.name for p in where.iterdir() if not p.name.startswith("_"))
+            listed = ", ".join(items)
+            raise ReadError(f"checkpoint {where} has no 'params' item (items: {listed})")
+        saved = self._read(step, "its parameter metadata", lambda: self._saved_tree(step))
+        if saved is None:
+            raise ReadError(f"checkpoint {where} is corrupt: it holds no parameters")
+        if target is None:
+            host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+            target = jax.tree.map(
+                lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=host), saved
+            )
+            to_host = True
+        else:
+            problems = layout_diff(saved, target, "params")
+            if problems:
+                raise ReadError(
+                    f"checkpoint {where} holds other parameters than its model config builds:\n  "
+                    + "\n  ".join(problems[:12])
+                )
+            to_host = False
+        args = ocp.args.Composite(params=ocp.args.StandardRestore(target))
+        restore = lambda: self.manager.restore(step, args=args)  # noqa: E731
+        restored = self._read(step, "its parameters", restore)
+        params = jax.block_until_ready(restored["params"])
+        return jax.tree.map(np.asarray, params) if to_host else params
+
+    def _saved_tree(self, step: int):
+        metadata = self.manager.item_metadata(step)
+        saved = metadata.get("params") if hasattr(metadata, "get") else None
+        return getattr(saved, "tree", saved)
+
+    def _read(self, step: int, what: str, fn):
+        """fn(), its failure a ReadError: `checkpoint W is corrupt: ...` when the data is missing
+        or undecodable, else `... cannot be read: ...` (permission, I/O)."""
+        try:
+            return fn()
+        except ReadError:
+            raise
+        except Exception as e:
+            kind = "is corrupt" if corruption(e) is not None else "cannot be read"
+            where = self.directory / str(step)
+            detail = _short(_root(e))
+            raise ReadError(f"checkpoint {where} {kind}: {what} cannot be read ({detail})") from e
 
 
 def _item_handlers() -> dict:

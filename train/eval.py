@@ -46,8 +46,6 @@ from typing import Any  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
 
 from laplace_spec.config import ConfigError, LaplaceConfig  # noqa: E402
 from train import tasks  # noqa: E402
@@ -117,24 +115,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---- the checkpoint -------------------------------------------------------------------------
 
 
-def _short(e: BaseException) -> str:
-    seen = {id(e)}
-    while (inner := e.__cause__ or e.__context__) is not None and id(inner) not in seen:
-        seen.add(id(inner))
-        e = inner
-    text = f"{type(e).__name__}: {e}"
-    return text if len(text) < 300 else text[:300] + "..."
-
-
-def _unreadable(where: Path, what: str, e: BaseException) -> EvalError:
-    """`checkpoint W is corrupt: ...` when the data is missing or undecodable (as the trainer
-    judges it, train/checkpoint.py), else `... cannot be read: ...` (permission, I/O)."""
-    from train.checkpoint import corruption
-
-    kind = "is corrupt" if corruption(e) is not None else "cannot be read"
-    return EvalError(f"checkpoint {where} {kind}: {what} cannot be read ({_short(e)})")
-
-
 def locate(path: str | Path, step: int | None) -> tuple[Path, int, Path]:
     """(checkpoint directory, step, run directory) of `--checkpoint PATH [--step N]`."""
     p = Path(path).absolute()
@@ -166,67 +146,31 @@ def locate(path: str | Path, step: int | None) -> tuple[Path, int, Path]:
     return ckpt_dir, step, run_dir
 
 
-def _reader(ckpt_dir: Path) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(
-        ckpt_dir,
-        options=ocp.CheckpointManagerOptions(read_only=True),
-        item_handlers={
-            "params": ocp.StandardCheckpointHandler(),
-            "meta": ocp.JsonCheckpointHandler(),
-        },
-    )
-
-
 def load_checkpoint(ckpt_dir: Path, step: int) -> tuple[LaplaceConfig, dict, dict]:
-    """(model config, params on the default device, meta) of one checkpoint; EvalError naming
-    the checkpoint when it is missing, corrupt or holds other arrays than its config builds."""
+    """(model config, params, meta) of one checkpoint, the params FSDP-sharded over every device
+    (the rules table of laplace_jax/sharding.py, as in training: a model too large for one
+    device is evaluated across them); EvalError naming the checkpoint when it is missing,
+    corrupt or holds other arrays than its config builds (train/checkpoint.py's reader)."""
     from laplace_jax.model import abstract_params
-    from train.checkpoint import layout_diff
+    from laplace_jax.sharding import abstract_with_shardings, make_mesh, param_shardings
+    from train.checkpoint import CheckpointReader, ReadError
 
     where = ckpt_dir / str(step)
-    reader = _reader(ckpt_dir)
     try:
-        if step not in reader.all_steps():
-            raise EvalError(f"checkpoint {where} is incomplete (no finished save of step {step})")
-        try:
-            meta = reader.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-            meta = meta["meta"]
-        except Exception as e:
-            raise _unreadable(where, "its meta", e) from e
-        if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
-            raise EvalError(f"checkpoint {where} is corrupt: its meta holds no model config")
-        try:
-            cfg = LaplaceConfig.from_dict(meta["model"])
-        except (ConfigError, TypeError, ValueError) as e:
-            raise EvalError(f"checkpoint {where}: its model config is invalid ({e})") from e
-        device = jax.devices()[0]
-        sharding = jax.sharding.SingleDeviceSharding(device)
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-            abstract_params(cfg),
-        )
-        try:
-            metadata = reader.item_metadata(step)
-            saved = metadata.get("params") if hasattr(metadata, "get") else None
-        except Exception as e:
-            raise _unreadable(where, "its parameter metadata", e) from e
-        if saved is None:
-            raise EvalError(f"checkpoint {where} is corrupt: it holds no parameters")
-        problems = layout_diff(getattr(saved, "tree", saved), abstract, "params")
-        if problems:
-            raise EvalError(
-                f"checkpoint {where} holds other parameters than its model config builds:\n  "
-                + "\n  ".join(problems[:12])
-            )
-        try:
-            restored = reader.restore(
-                step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract))
-            )
-            params = jax.block_until_ready(restored["params"])
-        except Exception as e:
-            raise _unreadable(where, "its parameters", e) from e
-    finally:
-        reader.close()
+        with CheckpointReader(ckpt_dir) as reader:
+            step = reader.step(step)
+            meta = reader.meta(step)
+            if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+                raise EvalError(f"checkpoint {where} is corrupt: its meta holds no model config")
+            try:
+                cfg = LaplaceConfig.from_dict(meta["model"])
+            except (ConfigError, TypeError, ValueError) as e:
+                raise EvalError(f"checkpoint {where}: its model config is invalid ({e})") from e
+            shardings = param_shardings(cfg, make_mesh())
+            target = abstract_with_shardings(abstract_params(cfg), shardings)
+            params = reader.params(step, target)
+    except ReadError as e:
+        raise EvalError(str(e)) from e
     return cfg, params, meta
 
 
@@ -274,14 +218,15 @@ def auto_batch(length: int, vocab: int, requested: int) -> int:
 
 
 def make_predict(cfg: LaplaceConfig):
+    from laplace_jax.generate import greedy_token
     from laplace_jax.model import LaplaceLM
 
     model = LaplaceLM(cfg)
 
     @jax.jit
-    def predict(params, inputs):
+    def predict(params, inputs):  # inputs [B, T] -> the greedy next token at every position
         logits, _ = model.apply({"params": params}, inputs)
-        return jnp.argmax(logits, -1).astype(jnp.int32)
+        return greedy_token(logits)  # [B, T] int32: argmax's choice, Neuron's reductions
 
     return predict
 
@@ -344,6 +289,7 @@ def eval_grid(
 
 def eval_ppl(cfg, params, paths, seq_len, n, batch_size, say) -> dict:
     """Perplexity exp(mean token cross-entropy) over the first n windows of the shards."""
+    from laplace_jax.loss import next_token_losses
     from laplace_jax.model import LaplaceLM
     from train import data as data_lib
 
@@ -353,10 +299,7 @@ def eval_ppl(cfg, params, paths, seq_len, n, batch_size, say) -> dict:
         raise EvalError(f"--data: {e}") from e
     model = LaplaceLM(cfg)
 
-    @jax.jit
-    def token_losses(params, tokens):
-        logits, _ = model.apply({"params": params}, tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])  # [B, T]
+    token_losses = jax.jit(lambda p, t: next_token_losses(model, p, t))  # [B, T]
 
     windows = min(n, len(source))
     B = auto_batch(seq_len, cfg.vocab_size, batch_size)

@@ -23,21 +23,13 @@ import optax
 from jax.sharding import Mesh
 
 from laplace_jax.fsdp import make_loss_and_grad
-from laplace_jax.model import LaplaceLM, reset_after_eot
+from laplace_jax.loss import next_token_loss
+from laplace_jax.model import LaplaceLM
 from laplace_jax.sharding import logical_sharding, replicated
 
 # Logical axes of the token batches (the rules table in laplace_jax/sharding.py places them).
 TRAIN_BATCH_AXES = ("accum", "batch", "length")  # [A, M, T + 1]
 EVAL_BATCH_AXES = ("batch", "length")  # [M, T + 1]
-
-
-def loss_fn(model: LaplaceLM, params, tokens, eot_id: int | None = None):
-    """Mean next-token cross-entropy of tokens [B, T + 1] (inputs [:, :-1], targets [:, 1:]).
-    `eot_id`: reset the model's state at the token after each end-of-text (packed documents)."""
-    inputs = tokens[:, :-1]
-    kw = {} if eot_id is None else {"reset": reset_after_eot(inputs, eot_id)}  # [B, T]
-    logits, _ = model.apply({"params": params}, inputs, **kw)  # [B, T, V] fp32
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
 def make_train_step(
@@ -158,9 +150,10 @@ def schedule_count(opt_state):
 
 
 def make_eval_step(model: LaplaceLM, mesh: Mesh, param_shardings, eot_id: int | None = None):
-    """jit(loss)(params, tokens [B, T + 1]) -> mean loss (`eot_id`: as in `loss_fn`)."""
+    """jit(loss)(params, tokens [B, T + 1]) -> mean next-token loss (laplace_jax/loss.py;
+    `eot_id`: packed documents, as in training)."""
     return jax.jit(
-        lambda p, t: loss_fn(model, p, t, eot_id),
+        lambda p, t: next_token_loss(model, p, t, eot_id),
         in_shardings=(param_shardings, logical_sharding(mesh, EVAL_BATCH_AXES)),
         out_shardings=replicated(mesh),
     )
