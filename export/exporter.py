@@ -12,8 +12,9 @@ Folder layout written by `export_model`:
     configuration_laplace.py,            `auto_map` names the two classes, so any transformers
     modeling_laplace.py                  process loads the folder with trust_remote_code=True
 
-Only `read_checkpoint` touches orbax (train/checkpoint.py's reader, imported lazily); the rest is
-numpy (and flax's `flatten_dict`), so the checks and the writer are testable and reusable without a checkpoint.
+Only `read_checkpoint` touches orbax (train/checkpoint.py's reader, imported lazily); the rest
+is numpy (and flax's `flatten_dict`), so the checks and the writer are testable and reusable
+without a checkpoint.
 """
 
 from __future__ import annotations

@@ -31,8 +31,16 @@ COLLECTIVE_KINDS = (
     "all-to-all",
     "collective-permute",
 )
-ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
-            "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
+ITEMSIZE = {  # bytes per element of each HLO element type
+    name: size
+    for size, names in (
+        (1, "pred s8 u8"),
+        (2, "bf16 f16 s16 u16"),
+        (4, "f32 s32 u32"),
+        (8, "f64 s64 u64"),
+    )
+    for name in names.split()
+}
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
@@ -274,8 +282,14 @@ def neuron_census(hlo: str) -> dict:
             for d in re.findall(r"direction=(\w+)", rest)
         }
     )
-    rng = sorted({m for op, _, rest in ops if op == "rng-bit-generator"
-                  for m in re.findall(r"algorithm=(\w+)", rest)})  # fmt: skip
+    rng = sorted(
+        {
+            m
+            for op, _, rest in ops
+            if op == "rng-bit-generator"
+            for m in re.findall(r"algorithm=(\w+)", rest)
+        }
+    )
     census = {
         "conditionals": sum(op == "conditional" for op, _, _ in ops),
         "while_loops": len(whiles),

@@ -39,6 +39,7 @@ from laplace_spec.param_groups import is_muon_path  # noqa: F401  (importers mov
 
 f32 = jnp.float32
 
+
 def _param(module, name, init, shape, axes):
     """A float32 parameter tagged with its logical axes."""
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, f32)

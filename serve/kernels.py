@@ -81,7 +81,7 @@ def gla_step(q, k, v, log_decay, state, scale):
         (lam * state).view(B * H, K, V),
         k.to(f32).reshape(B * H, K, 1),
         v.to(f32).reshape(B * H, 1, V),
-    ).view(B, H, K, V)  # fmt: skip
+    ).view(B, H, K, V)
     o = torch.matmul((scale * q.to(f32))[..., None, :], state)  # [B, H, 1, V]
     return o[..., 0, :], state
 

@@ -81,8 +81,10 @@ def test_baseline_has_laplaces_parameters_and_muon_matrices(preset):
     """Same parameter tree (every path and shape), count and Muon/AdamW split as Laplace's."""
     gla = get_config(preset)
     att = gla.replace(token_mixer="attention")
-    shapes = [{p: s.shape for p, s in flatten_dict(abstract_params(c), sep="/").items()}
-              for c in (gla, att)]  # fmt: skip
+    shapes = [
+        {p: s.shape for p, s in flatten_dict(abstract_params(c), sep="/").items()}
+        for c in (gla, att)
+    ]
     assert shapes[0] == shapes[1]
     assert parameter_counts(att) == parameter_counts(gla)
     params = init_params(att, jax.random.key(0))

@@ -35,10 +35,20 @@ def run(tmp_path_factory):
     """A real tiny MQAR run: 4 steps, one checkpoint at step 4."""
     run_dir = tmp_path_factory.mktemp("eval") / "run"
     args = [
-        "--config", "tiny", "--task", "mqar:num_pairs=4", "--run-dir", str(run_dir),
-        "--no-progress", "--steps", "4", "global_batch_tokens=512", "--mesh", "fsdp=1",
+        "--config",
+        "tiny",
+        "--task",
+        "mqar:num_pairs=4",
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        "--steps",
+        "4",
+        "global_batch_tokens=512",
+        "--mesh",
+        "fsdp=1",
         "sample_tokens=0",
-    ]  # fmt: skip
+    ]
     assert train_main.main(args) == 0
     return run_dir
 
@@ -93,14 +103,32 @@ def test_mqar_accuracy_of_a_known_model_and_beyond_the_training_length(constant_
     """The constant model answers right exactly where the value is CONSTANT: count it on the
     generated batches (seeds as documented in train/eval.py). 128 > the training seq_len 64."""
     rep = _eval(
-        tmp_path, "--checkpoint", str(constant_ckpt), "--task", "mqar", "--seq-lens", "64,128",
-        "--pairs", "1,4", "--vocab", "12", "--n", "48", "--batch-size", "16", "--seed", "3",
-    )  # fmt: skip
+        tmp_path,
+        "--checkpoint",
+        str(constant_ckpt),
+        "--task",
+        "mqar",
+        "--seq-lens",
+        "64,128",
+        "--pairs",
+        "1,4",
+        "--vocab",
+        "12",
+        "--n",
+        "48",
+        "--batch-size",
+        "16",
+        "--seed",
+        "3",
+    )
     assert rep["task"] == "mqar" and rep["step"] == 1
     assert rep["settings"]["vocab_size"] == 12 and rep["settings"]["sequences_per_cell"] == 48
     assert [(r["seq_len"], r["num_pairs"]) for r in rep["results"]] == [
-        (64, 1), (64, 4), (128, 1), (128, 4)
-    ]  # fmt: skip
+        (64, 1),
+        (64, 4),
+        (128, 1),
+        (128, 4),
+    ]
     assert rep["skipped"] == []
     for r in rep["results"]:
         T, P = r["seq_len"], r["num_pairs"]
@@ -124,10 +152,22 @@ def test_passkey_hits_need_every_digit(constant_ckpt, tmp_path):
     """Two digits: a digit is right when it is CONSTANT - 3 (digit tokens start at 3), a hit
     needs both."""
     rep = _eval(
-        tmp_path, "--checkpoint", str(constant_ckpt), "--task", "passkey",
-        "--context-lens", "32,64", "--depths", "0,0.5,1", "--num-digits", "2",
-        "--n", "96", "--batch-size", "32",
-    )  # fmt: skip
+        tmp_path,
+        "--checkpoint",
+        str(constant_ckpt),
+        "--task",
+        "passkey",
+        "--context-lens",
+        "32,64",
+        "--depths",
+        "0,0.5,1",
+        "--num-digits",
+        "2",
+        "--n",
+        "96",
+        "--batch-size",
+        "32",
+    )
     assert rep["settings"]["depths"] == [0.0, 0.5, 1.0] and len(rep["results"]) == 6
     for r in rep["results"]:
         prefix = train_eval.cell_seed(0, "passkey", r["seq_len"], r["depth"])
@@ -146,14 +186,27 @@ def test_passkey_hits_need_every_digit(constant_ckpt, tmp_path):
 
 def test_mqar_on_a_trained_checkpoint_matches_the_model_applied_directly(run, tmp_path, capsys):
     rep = _eval(
-        tmp_path, "--checkpoint", str(run), "--task", "mqar", "--seq-lens", "64",
-        "--pairs", "4,8,20", "--n", "32", "--batch-size", "16",
-    )  # fmt: skip
+        tmp_path,
+        "--checkpoint",
+        str(run),
+        "--task",
+        "mqar",
+        "--seq-lens",
+        "64",
+        "--pairs",
+        "4,8,20",
+        "--n",
+        "32",
+        "--batch-size",
+        "16",
+    )
     printed = capsys.readouterr().out
     assert "seq_len \\ pairs" in printed and "wrote" in printed
     assert rep["checkpoint"] == str(run / "checkpoints" / "4")
-    assert rep["trained_on"] == {"task": "mqar", "task_params": json.loads(
-        (run / "config.json").read_text())["data"]["task_params"]}  # fmt: skip
+    assert rep["trained_on"] == {
+        "task": "mqar",
+        "task_params": json.loads((run / "config.json").read_text())["data"]["task_params"],
+    }
     assert rep["settings"]["vocab_size"] == 320 and rep["settings"]["power_a"] == 0.01
     assert [r["num_pairs"] for r in rep["results"]] == [4, 8]
     assert rep["skipped"][0]["num_pairs"] == 20 and "4 * num_pairs" in rep["skipped"][0]["reason"]
@@ -173,13 +226,37 @@ def test_mqar_on_a_trained_checkpoint_matches_the_model_applied_directly(run, tm
         assert (r["correct"], r["answers"]) == (right, answers)
 
 
+def test_checkpoint_is_read_sharded_over_every_device(run):
+    """A 3B checkpoint cannot sit on one core: train.eval places the parameters as training does
+    (the FSDP rules table), through train/checkpoint.py's reader, with the saved values."""
+    cfg, params, meta = train_eval.load_checkpoint(run / "checkpoints", 4)
+    assert cfg == TINY and meta["step"] == 4
+    kernel = params["lm_head"]["kernel"]  # [D, V]: rows over fsdp
+    assert len(kernel.sharding.device_set) == jax.device_count() == 8
+    assert kernel.sharding.spec[0] == "fsdp"
+    saved = ocp.StandardCheckpointer().restore(
+        run / "checkpoints" / "4" / "params", abstract_params(TINY)
+    )
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(saved), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_ppl_is_exp_of_the_mean_loss_fn(run, tmp_path):
     shard = tmp_path / "val_000000.bin"
     write_shard(shard, np.random.default_rng(0).integers(0, 320, 3000))
     rep = _eval(
-        tmp_path, "--checkpoint", str(run), "--task", "ppl", "--data", str(shard),
-        "--batches", "3", "--batch-size", "8",
-    )  # fmt: skip
+        tmp_path,
+        "--checkpoint",
+        str(run),
+        "--task",
+        "ppl",
+        "--data",
+        str(shard),
+        "--batches",
+        "3",
+        "--batch-size",
+        "8",
+    )
     res = rep["results"]
     assert (res["windows"], res["tokens"], res["seq_len"]) == (24, 24 * 64, 64)
     params = ocp.StandardCheckpointer().restore(

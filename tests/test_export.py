@@ -84,8 +84,13 @@ def test_folder_layout_and_auto_classes(cfg, exported):
     from serve.modeling_laplace import LaplaceForCausalLM
 
     files = {p.name for p in exported.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json"} <= files  # fmt: skip
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= files
     conf = json.loads((exported / "config.json").read_text())
     assert conf["architectures"] == ["LaplaceForCausalLM"] and conf["model_type"] == "laplace"
     assert {k: conf[k] for k in cfg.to_dict()} == cfg.to_dict()  # every LaplaceConfig field
@@ -162,8 +167,9 @@ def test_checkpoint_without_params(cfg, tmp_path, capsys):
 
 
 def test_missing_step_and_missing_tokenizer(cfg, params, tmp_path, run_dir, capsys):
-    rc = export_main(["--checkpoint", str(run_dir / "checkpoints"), "--step", "99",
-                      "--out", str(tmp_path / "a")])  # fmt: skip
+    rc = export_main(
+        ["--checkpoint", str(run_dir / "checkpoints"), "--step", "99", "--out", str(tmp_path / "a")]
+    )
     assert rc == 2 and "step 99" in capsys.readouterr().err
     from laplace_export_helpers import write_checkpoint
 

@@ -69,9 +69,13 @@ def test_generate_greedy_equals_greedy_generate_batched_and_alone(auto, prompts,
     lengths, handle = _input_lengths(auto)
     try:
         out = auto.generate(
-            ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False,
-            eos_token_id=None, pad_token_id=PAD,
-        )  # fmt: skip
+            ids,
+            attention_mask=mask,
+            max_new_tokens=N_NEW,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=PAD,
+        )
     finally:
         handle.remove()
     assert out[:, ids.shape[1] :].tolist() == reference
@@ -79,9 +83,12 @@ def test_generate_greedy_equals_greedy_generate_batched_and_alone(auto, prompts,
     assert lengths == [len(p) for p in prompts] + [1] * (N_NEW - 1)
     for p, ref in zip(prompts, reference, strict=True):
         one = auto.generate(
-            torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-            max_new_tokens=N_NEW, eos_token_id=None, pad_token_id=PAD,
-        )  # fmt: skip
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=N_NEW,
+            eos_token_id=None,
+            pad_token_id=PAD,
+        )
         assert one[0, len(p) :].tolist() == ref
 
 
@@ -89,9 +96,13 @@ def test_generate_without_cache_recomputes_the_same_tokens(auto, prompts, refere
     """use_cache=False: every step runs the whole (left-padded) sequence again, no state kept."""
     ids, mask = _left_padded(prompts)
     out = auto.generate(
-        ids, attention_mask=mask, max_new_tokens=6, use_cache=False, eos_token_id=None,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        use_cache=False,
+        eos_token_id=None,
         pad_token_id=PAD,
-    )  # fmt: skip
+    )
     assert out[:, ids.shape[1] :].tolist() == [r[:6] for r in reference]
 
 
@@ -104,9 +115,12 @@ def test_generate_returns_the_state_of_the_whole_sequence(auto, prompts):
     """The returned cache equals the state of one forward over prompt + generated tokens."""
     p = prompts[2]
     out = auto.generate(
-        torch.tensor([p]), max_new_tokens=8, eos_token_id=None, pad_token_id=PAD,
+        torch.tensor([p]),
+        max_new_tokens=8,
+        eos_token_id=None,
+        pad_token_id=PAD,
         return_dict_in_generate=True,
-    )  # fmt: skip
+    )
     state = out.past_key_values  # transformers returns any cache under this name
     assert isinstance(state, LaplaceState)
     with torch.no_grad():  # the last token is not fed back by generate: the state ends before it
@@ -149,9 +163,16 @@ def test_generate_sampling_equals_a_plain_sampling_loop(auto, prompts, seed):
     ids, mask = _left_padded(prompts)
     torch.manual_seed(seed)
     out = auto.generate(
-        ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=True, temperature=0.8,
-        top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=PAD,
-    )  # fmt: skip
+        ids,
+        attention_mask=mask,
+        max_new_tokens=N_NEW,
+        do_sample=True,
+        temperature=0.8,
+        top_k=0,
+        top_p=1.0,
+        eos_token_id=None,
+        pad_token_id=PAD,
+    )
     new = out[:, ids.shape[1] :].tolist()
     assert new == _sample_loop(auto, prompts, N_NEW, 0.8, seed)
     greedy = auto.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, pad_token_id=PAD)

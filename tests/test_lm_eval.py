@@ -137,16 +137,38 @@ def truth(exported):
 def hf_results(exported, task_dir, env, root):
     """The stock `hf` backend; the folder's remote code, not this package, defines the model."""
     model_args = f"pretrained={exported},trust_remote_code=True"
-    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args", model_args,
-           "--device", "cpu", "--include_path", str(task_dir)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "run",
+        "--model",
+        "hf",
+        "--model_args",
+        model_args,
+        "--device",
+        "cpu",
+        "--include_path",
+        str(task_dir),
+    ]
     return run_lm_eval(cmd, root / "out_hf", env, cwd=root)
 
 
 @pytest.fixture(scope="module")
 def vllm_results(exported, task_dir, env, root):
     model_args = f"pretrained={exported},max_num_seqs=8"
-    cmd = [sys.executable, "-m", "serve.lm_eval", "run", "--model", "laplace-vllm",
-           "--model_args", model_args, "--include_path", str(task_dir)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "serve.lm_eval",
+        "run",
+        "--model",
+        "laplace-vllm",
+        "--model_args",
+        model_args,
+        "--include_path",
+        str(task_dir),
+    ]
     return run_lm_eval(cmd, root / "out_vllm", env, cwd=REPO)
 
 

@@ -277,11 +277,28 @@ def _task_args(run_dir, steps, *extra):
     """MQAR (64, 4) over a 64-token task vocabulary (31 keys, 32 values: chance is 1/32) on the
     tiny preset widened to d_model 128, 400 steps of 32 sequences (measured: 87% accuracy)."""
     return [
-        "--config", "tiny", "--task", "mqar:num_pairs=4,vocab_size=64", "--run-dir",
-        str(run_dir), "--no-progress", "--steps", str(steps), "global_batch_tokens=2048",
-        "--mesh", "fsdp=1", "eval_every=0", "sample_tokens=0", "d_model=128", "d_v=32", "d_k=16",
-        "ffn_dim=256", "total_steps=400", "warmup_steps=20", *extra,
-    ]  # fmt: skip
+        "--config",
+        "tiny",
+        "--task",
+        "mqar:num_pairs=4,vocab_size=64",
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        "--steps",
+        str(steps),
+        "global_batch_tokens=2048",
+        "--mesh",
+        "fsdp=1",
+        "eval_every=0",
+        "sample_tokens=0",
+        "d_model=128",
+        "d_v=32",
+        "d_k=16",
+        "ffn_dim=256",
+        "total_steps=400",
+        "warmup_steps=20",
+        *extra,
+    ]
 
 
 def test_tiny_model_learns_mqar_and_resumes_on_the_same_batches(tmp_path):
@@ -296,8 +313,9 @@ def test_tiny_model_learns_mqar_and_resumes_on_the_same_batches(tmp_path):
     assert np.mean(losses[-3:]) < 1.5, losses  # measured: 5.8 -> about 0.5
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["data"]["task"] == "mqar" and cfg["data"]["task_params"]["num_pairs"] == 4
-    report, _ = train_eval.evaluate(train_eval.parse_args(["--checkpoint", str(run), "--task",
-                                                           "mqar", "--n", "128"]))  # fmt: skip
+    report, _ = train_eval.evaluate(
+        train_eval.parse_args(["--checkpoint", str(run), "--task", "mqar", "--n", "128"])
+    )
     (cell,) = report["results"]
     assert (cell["seq_len"], cell["num_pairs"]) == (64, 4)
     assert cell["accuracy"] > 10 / 32, cell  # measured: 87.3%
