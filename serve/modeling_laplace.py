@@ -122,19 +122,22 @@ class LaplaceLinear(nn.Linear):
 class LaplaceMixer(nn.Module):
     """Conv, fused projection, GLA, self-augmentation, head RMSNorm, gate, output projection."""
 
-    def __init__(self, config: LaplaceConfig):
+    def __init__(self, config: LaplaceConfig, linear=None):
+        """`linear(name, in_features, out_features)` builds the two projections (default
+        `LaplaceLinear`; the vLLM model passes vLLM's layers, so no torch Linear is built)."""
         super().__init__()
         c = config
+        linear = linear or (lambda name, n_in, n_out: LaplaceLinear(n_in, n_out))
         self.n_heads, self.d_k, self.d_v = c.n_heads, c.d_k, c.d_v
         self.chunk_size, self.eps, self.scale = c.chunk_size, c.norm_eps, c.qk_scale
         self.qkvg_split, self.heads_per_tier = c.qkvg_split, c.heads_per_tier
         # conv as plain parameters (not vLLM linear classes: its CPU backend repacks those)
         self.conv_weight = nn.Parameter(torch.zeros(c.d_model, c.conv_width))  # [D, W]
         self.conv_bias = nn.Parameter(torch.zeros(c.d_model))
-        self.qkvg_proj = LaplaceLinear(c.d_model, c.qkvg_dim)
+        self.qkvg_proj = linear("qkvg_proj", c.d_model, c.qkvg_dim)
         self.aug_balance = nn.Parameter(torch.zeros(c.n_heads, c.d_k))
         self.head_norm_weight = nn.Parameter(torch.ones(c.n_tiers, c.d_v))
-        self.out_proj = LaplaceLinear(c.n_heads * c.d_v, c.d_model)
+        self.out_proj = linear("out_proj", c.n_heads * c.d_v, c.d_model)
         self.log_decay = c.log_decay()  # H fp64 numbers: the decays are fixed, not parameters
         self._log_decay_f32: torch.Tensor | None = None
 

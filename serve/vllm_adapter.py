@@ -12,10 +12,12 @@ VLLM_CPU_NUM_OF_RESERVED_CPU=0 (the model may use every core).
 
 Defaults derived from the folder (each overridable by its flag):
   --dtype         the export's dtype (config.json `torch_dtype`): a bf16 export is served with
-                  bf16 weights and activations; the recurrent state stays fp32 either way.
+                  bf16 weights and activations; the recurrent state pages stay fp32 either way
+                  (vLLM's own --mamba-ssm-cache-dtype / --mamba-cache-dtype, through
+                  --vllm-arg, choose others: serve/vllm_model.py `state_dtypes`).
   --max-num-seqs  as many sequences as the state page budget holds (`default_max_num_seqs`):
-                  floor(VLLM_CPU_KVCACHE_SPACE GiB / state bytes per sequence) - 1, at most 2048
-                  (half that with --enable-prefix-caching: two pages per running sequence).
+                  floor(VLLM_CPU_KVCACHE_SPACE GiB / fp32 state bytes per sequence) - 1, at most
+                  2048 (half that with --enable-prefix-caching: two pages per running sequence).
 
 Prefix caching of the recurrent state (`--enable-prefix-caching`, off by default): vLLM's
 `align` mode keeps the state at the last block boundary of each prompt (blocks of
@@ -31,15 +33,12 @@ Replicas: N whole engines behind one server (vLLM's data parallel on CPU), each 
     # the cores of each replica given explicitly, '|'-separated (replica r takes the r-th list)
     python -m serve.vllm_adapter --model exported/ --port 8000 -dp 2 --bind "0-3|4-7"
 
-This process runs one API server and vLLM starts N engine processes (`EngineCore_DP0..N-1`, each
-with its worker), among which vLLM's load balancer spreads the requests by their queues. The
-worker threads of replica r are bound to the r-th core list of VLLM_CPU_OMP_THREADS_BIND: vLLM
-0.32's automatic binding would put every replica on the same cores (those of the first NUMA node).
-Default binding: the cores this process may use (os.sched_getaffinity; SMT siblings kept in one
-replica) cut into N equal consecutive slices, or slices of `--cpu-cores-per-replica K` (the rest
-left free); fewer cores than replicas is an error, as is a --bind that does not give one list per
-replica of usable, unshared cores. A VLLM_CPU_OMP_THREADS_BIND already in the environment is used
-as --bind (`nobind`: no binding). Every replica holds its own weights, its own
+This process runs one API server and vLLM starts N engine processes, among which vLLM's load
+balancer spreads the requests by their queues. Each replica's worker threads are bound to its own
+cores (`serve/replicas.py`): by default the cores this process may use, cut into N equal slices;
+`--cpu-cores-per-replica K` takes K each, `--bind` gives them explicitly, and a
+VLLM_CPU_OMP_THREADS_BIND already in the environment is used as --bind (`nobind`: no binding);
+fewer cores than replicas is an error. Every replica holds its own weights, its own
 VLLM_CPU_KVCACHE_SPACE GiB of state pages and its own --max-num-seqs: the defaults above are per
 replica, so N replicas take N times that memory and run up to N x max-num-seqs sequences at once.
 /metrics gives the per-replica counters with labels engine="0".."N-1". Server mode only.
@@ -53,6 +52,8 @@ import os
 import runpy
 import sys
 from pathlib import Path
+
+from serve.replicas import BIND_ENV, resolve_replicas
 
 ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
@@ -178,171 +179,6 @@ def generate(llm, prompts, max_tokens: int, temperature: float = 0.0, seed: int 
     ]
 
 
-# ---- replicas: vLLM's data parallel on CPU, each engine on its own cores ----------------------
-
-BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
-
-
-def available_cores() -> list[int]:
-    """The CPU ids this process may run on (os.sched_getaffinity), in topology order: by
-    package, then physical core, so that SMT siblings are adjacent (one replica, not two)."""
-    if hasattr(os, "sched_getaffinity"):
-        cpus = sorted(os.sched_getaffinity(0))
-    else:  # pragma: no cover - not Linux
-        cpus = list(range(os.cpu_count() or 1))
-
-    def topology(cpu: int) -> tuple[int, int, int]:
-        base = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-        try:
-            package = int((base / "physical_package_id").read_text())
-            core = int((base / "core_id").read_text())
-        except (OSError, ValueError):
-            return (0, cpu, cpu)
-        return (package, core, cpu)
-
-    return sorted(cpus, key=topology)
-
-
-def parse_core_list(text: str) -> list[int]:
-    """'0-3,8' -> [0, 1, 2, 3, 8] (the syntax of one VLLM_CPU_OMP_THREADS_BIND group)."""
-    cores: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
-            raise ValueError(f"cannot read core list {text!r} (want e.g. '0-3,8')")
-        cores += range(int(lo), int(hi) + 1) if sep else [int(lo)]
-    return cores
-
-
-def format_core_list(cores) -> str:
-    """[0, 1, 2, 3, 8] -> '0-3,8'."""
-    out: list[str] = []
-    cores = sorted(cores)
-    i = 0
-    while i < len(cores):
-        j = i
-        while j + 1 < len(cores) and cores[j + 1] == cores[j] + 1:
-            j += 1
-        out.append(str(cores[i]) if i == j else f"{cores[i]}-{cores[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
-def replica_binding(
-    replicas: int,
-    *,
-    cores_per_replica: int | None = None,
-    bind: str | None = None,
-    available: list[int] | None = None,
-    bind_source: str = "--bind",
-) -> str | None:
-    """VLLM_CPU_OMP_THREADS_BIND for `replicas` data-parallel engines: one core list per
-    replica, separated by '|' (e.g. '0|1', '0-3|4-7'); vLLM gives local DP rank r the r-th list.
-
-    bind: explicit lists, checked (one per replica, cores this process may use, no core in two
-    replicas). Otherwise the available cores (`available_cores()`) are cut into `replicas`
-    consecutive slices of `cores_per_replica` (default: as many as divide evenly); the cores
-    left over stay free. None (vLLM's own binding) for one replica given neither option.
-    Raises ValueError naming the flag at fault.
-    """
-    if replicas < 1:
-        raise ValueError(f"--data-parallel-size must be at least 1, got {replicas}")
-    avail = available_cores() if available is None else list(available)
-    if bind is not None and cores_per_replica is not None:
-        raise ValueError("give --bind or --cpu-cores-per-replica, not both")
-    if bind is not None:
-        groups = bind.split("|")
-        if len(groups) != replicas:
-            raise ValueError(
-                f"{bind_source}={bind!r} has {len(groups)} core list(s) for "
-                f"--data-parallel-size {replicas}: give one per replica, separated by '|' "
-                f"(e.g. {'|'.join(map(str, avail[:replicas]))!r})"
-            )
-        lists = []
-        for g in groups:
-            try:
-                lists.append(parse_core_list(g))
-            except ValueError as e:
-                raise ValueError(f"{bind_source}={bind!r}: {e}") from None
-        outside = sorted({c for cores in lists for c in cores} - set(avail))
-        if outside:
-            raise ValueError(
-                f"{bind_source}={bind!r} names cores {outside} that this process may not use "
-                f"(os.sched_getaffinity: {format_core_list(avail)})"
-            )
-        for r, cores in enumerate(lists):
-            for s in range(r):
-                if shared := sorted(set(cores) & set(lists[s])):
-                    raise ValueError(
-                        f"{bind_source}={bind!r}: replicas {s} and {r} share cores {shared}; "
-                        "give each replica its own cores"
-                    )
-        return "|".join(format_core_list(cores) for cores in lists)
-    if replicas == 1 and cores_per_replica is None:
-        return None
-    if len(avail) < replicas:
-        raise ValueError(
-            f"--data-parallel-size {replicas} needs at least {replicas} CPU cores (one per "
-            f"replica); this process may use {len(avail)}: {format_core_list(avail)}"
-        )
-    k = len(avail) // replicas if cores_per_replica is None else cores_per_replica
-    if k < 1:
-        raise ValueError(f"--cpu-cores-per-replica must be at least 1, got {k}")
-    if k * replicas > len(avail):
-        raise ValueError(
-            f"--data-parallel-size {replicas} x --cpu-cores-per-replica {k} needs "
-            f"{k * replicas} CPU cores; this process may use {len(avail)}: "
-            f"{format_core_list(avail)}"
-        )
-    return "|".join(format_core_list(avail[r * k : (r + 1) * k]) for r in range(replicas))
-
-
-_DP_FLAGS = ("--data-parallel-size", "-dp")
-
-
-def resolve_replicas(args) -> None:
-    """Settle args.data_parallel_size (ours or vLLM's flag through --vllm-arg, which is then
-    taken out of the passthrough) and args.replica_bind (the VLLM_CPU_OMP_THREADS_BIND value to
-    set, or None to leave the environment alone). ValueError names the flag at fault."""
-    passed, args.vllm_arg = _pop_data_parallel_size(list(args.vllm_arg))
-    n = args.data_parallel_size
-    if passed is not None and n is not None and passed != n:
-        raise ValueError(f"--data-parallel-size {n} and --vllm-arg --data-parallel-size {passed}")
-    args.data_parallel_size = n = n if n is not None else (passed if passed is not None else 1)
-    bind, source = args.bind, "--bind"
-    env = os.environ.get(BIND_ENV, "auto")
-    if bind is None and args.cpu_cores_per_replica is None and env not in ("auto", ""):
-        if n == 1 or env == "nobind":  # the user's own setting, passed on as it is
-            args.replica_bind = None
-            return
-        bind, source = env, BIND_ENV
-    args.replica_bind = replica_binding(
-        n, cores_per_replica=args.cpu_cores_per_replica, bind=bind, bind_source=source
-    )
-
-
-def _pop_data_parallel_size(vllm_args: list[str]) -> tuple[int | None, list[str]]:
-    """vLLM's own --data-parallel-size given through --vllm-arg: (its value, the other args)."""
-    size, rest, i = None, [], 0
-    while i < len(vllm_args):
-        a = vllm_args[i]
-        name, eq, value = a.partition("=")
-        if name.replace("_", "-") in _DP_FLAGS:
-            if not eq:
-                if i + 1 >= len(vllm_args):
-                    raise ValueError(f"--vllm-arg={a} has no value")
-                i, value = i + 1, vllm_args[i + 1]
-            try:
-                size = int(value)
-            except ValueError:
-                raise ValueError(f"--vllm-arg={name}={value!r}: not an integer") from None
-        else:
-            rest.append(a)
-        i += 1
-    return size, rest
-
-
 def serve(args) -> None:
     """vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`), in this process."""
     set_env_defaults()
@@ -361,17 +197,29 @@ def serve(args) -> None:
         prefix_caching=prefix,
     )
     argv = [
-        "--model", ek["model"],
-        "--host", args.host,
-        "--port", str(args.port),
-        "--dtype", ek["dtype"],
-        "--max-num-seqs", str(ek["max_num_seqs"]),
-        "--served-model-name", args.served_model_name or Path(args.model).resolve().name,
-        "--seed", str(ek["seed"]),
-    ]  # fmt: skip
+        "--model",
+        ek["model"],
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--dtype",
+        ek["dtype"],
+        "--max-num-seqs",
+        str(ek["max_num_seqs"]),
+        "--served-model-name",
+        args.served_model_name or Path(args.model).resolve().name,
+        "--seed",
+        str(ek["seed"]),
+    ]
     if prefix:
-        argv += ["--enable-prefix-caching", "--mamba-cache-mode", "align",
-                 "--block-size", str(ek["block_size"])]  # fmt: skip
+        argv += [
+            "--enable-prefix-caching",
+            "--mamba-cache-mode",
+            "align",
+            "--block-size",
+            str(ek["block_size"]),
+        ]
     else:
         argv.append("--no-enable-prefix-caching")
     if ek["enforce_eager"]:
@@ -407,7 +255,7 @@ def main(argv=None) -> int:
         "--dtype",
         default="auto",
         choices=["auto", *DTYPES],
-        help="weights/activations dtype (default: the export's); the state is always fp32",
+        help="weights/activations dtype (default: the export's); the state pages stay fp32",
     )
     ap.add_argument("--json", action="store_true", help="print JSON lines with token ids")
     ap.add_argument("--host", default="127.0.0.1")

@@ -1,18 +1,28 @@
 """Laplace for the unmodified vLLM engine (v1): an attention-free model with an inner state.
 
+Written as vLLM's own state models are (`models/mamba2.py`, `layers/mamba/`): vLLM layers
+(`VocabParallelEmbedding`, `ReplicatedLinear`, `MergedColumnParallelLinear`,
+`RowParallelLinear`, `ParallelLMHead` and `LogitsProcessor`) built directly, state dtypes from
+vLLM's cache settings (`MambaStateDtypeCalculator`), weights loaded through each parameter's
+`weight_loader`. Served at tensor-parallel size 1 (one engine holds every head; replicas are
+vLLM's data parallel, `serve/replicas.py`).
+
 Each layer's token mixer is a state-holding layer of vLLM's mamba / linear-attention family
 (`MambaBase`, backend `LINEAR`): vLLM gives every running sequence one fixed-size state page,
-which holds this layer's GLA matrices [H, dk, dv] and conv window [W, D] (fp32). The mixer reads
-and writes its page through the forward context's `LinearAttentionMetadata`:
+which holds this layer's GLA matrices [H, dk, dv] and conv window [W, D]. Their dtypes are
+`state_dtypes`: fp32 by default (the state is accumulated in fp32 whatever the weights' dtype),
+`--mamba-ssm-cache-dtype` for the GLA matrices and `--mamba-cache-dtype` for the conv window
+(and for the GLA matrices when the former is `auto`). The mixer reads and writes its page through
+the forward context's `LinearAttentionMetadata`:
 
     tokens of a step:  [decode tokens (one per sequence) | prefill tokens, sequence after sequence]
     pages:    one gather of every sequence's page (zeros when the sequence starts in this
               step; its saved state for a decode, a continued chunked prefill or, with prefix
-              caching, a start after a cached prefix: seq_len > query_len)
+              caching, a start after a cached prefix: seq_len > query_len), in fp32
     conv:     decodes batched; prefills all at once, each from its window (`causal_conv_varlen`)
     GLA:      decodes: one batched O(1) step; prefills: one variable-length chunked pass
               (`gla_chunked_varlen`, boundaries `query_start_loc`, no loop over sequences)
-    pages:    one scatter of every final state
+    pages:    one scatter of every final state (in the pages' dtype)
 
 A sequence's first step can be a "decode" (a 1-token prompt): its page still holds an old
 sequence's state, so rows with seq_len == 1 start from zeros.
@@ -21,10 +31,10 @@ With prefix caching (vLLM's `align` mode) `state_indices_tensor` names the page 
 holds each sequence's last token; vLLM copies states between pages itself (before the step, with
 the copy functions of `LaplaceVLLMForCausalLM.get_mamba_state_copy_func`), so the layer is the same.
 
-The math is `serve/modeling_laplace.py`'s (same modules, the kernels of `serve/kernels.py`);
-sizes and state shapes come from `laplace_spec.config` (`hf_config.laplace_config`); parameter
-names are the exported names of `laplace_spec/names.py`, and `load_weights` accounts for every
-tensor.
+The math is `serve/modeling_laplace.py`'s (the mixer's and MLP's methods, the kernels of
+`serve/kernels.py`); sizes and state shapes come from `laplace_spec.config`
+(`hf_config.laplace_config`); parameter names are the exported names of `laplace_spec/names.py`,
+checked at construction, and `load_weights` accounts for every tensor.
 """
 
 from __future__ import annotations
@@ -36,18 +46,30 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateCopyFunc,
+    MambaStateDtypeCalculator,
     get_conv_copy_spec,
     get_temporal_copy_spec,
 )
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import (
     HasInnerState,
     IsAttentionFree,
     SupportsMambaPrefixCaching,
 )
+from vllm.model_executor.models.utils import maybe_prefix
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
@@ -59,32 +81,46 @@ from serve.modeling_laplace import LaplaceLayerNorm, LaplaceMixer, LaplaceMLP
 f32 = torch.float32
 
 
-class VLLMLinear(ReplicatedLinear):
-    """vLLM's own linear layer, called like nn.Linear (any leading dims, no bias).
+def state_dtypes(vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]:
+    """The state pages' dtypes in `get_state_shape()` order: (GLA matrices, conv window).
+
+    vLLM's cache settings through its own `MambaStateDtypeCalculator` (the GLA matrices are the
+    temporal/SSM state): `mamba_ssm_cache_dtype` for the GLA matrices, `mamba_cache_dtype` for the
+    conv window and, when the former is "auto", for both. "auto" is fp32 here, the dtype the
+    state is accumulated in, not the weights' dtype (vLLM's Mamba layers take the model's).
+    """
+    cache = vllm_config.cache_config
+    conv, gla = MambaStateDtypeCalculator.mamba2_state_dtype(
+        f32, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype
+    )
+    return gla, conv
+
+
+def _linear(cls, in_features: int, out_features, prefix: str):
+    """A vLLM linear layer called like nn.Linear (no bias, returns the output alone).
 
     After loading, vLLM's CPU backend packs its weight for oneDNN, which is much faster than
-    plain torch GEMMs at decode batch sizes. The parameter is still named `weight`.
-    """
-
-    def __init__(self, in_features: int, out_features: int, prefix: str):
-        super().__init__(in_features, out_features, bias=False, prefix=prefix)
-
-    def forward(self, x):
-        y, _ = super().forward(x.reshape(-1, x.shape[-1]))
-        return y.view(*x.shape[:-1], y.shape[-1])
+    plain torch GEMMs at decode batch sizes; the parameter is still named `weight`."""
+    return cls(in_features, out_features, bias=False, return_bias=False, prefix=prefix)
 
 
 class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
-    """The token mixer as a vLLM state layer; `self.kv_cache` = (gla pages, conv pages)."""
+    """The token mixer as a vLLM state layer; `self.kv_cache` = (gla pages, conv pages).
+
+    LaplaceMixer's math (`project`, `output`, `log_decay_f32`, and `forward` for the profiling
+    run) and its `__init__`, with vLLM's `ReplicatedLinear` for the two projections."""
 
     def __init__(self, config: LaplaceConfig, prefix: str):
-        LaplaceMixer.__init__(self, config)
+        def linear(name, n_in, n_out):
+            return _linear(ReplicatedLinear, n_in, n_out, f"{prefix}.{name}")
+
+        LaplaceMixer.__init__(self, config, linear)
         self.config = config
-        c = config
-        self.qkvg_proj = VLLMLinear(c.d_model, c.qkvg_dim, prefix=f"{prefix}.qkvg_proj")
-        self.out_proj = VLLMLinear(c.n_heads * c.d_v, c.d_model, prefix=f"{prefix}.out_proj")
+        for p in (self.conv_weight, self.conv_bias, self.aug_balance, self.head_norm_weight):
+            p.requires_grad_(False)  # loaded, never trained (as vLLM's own parameters)
         self.prefix = prefix
         vllm_config = get_current_vllm_config()
+        self.state_dtype = state_dtypes(vllm_config)
         ctx = vllm_config.compilation_config.static_forward_context
         if prefix in ctx:
             raise ValueError(f"duplicate layer name: {prefix}")
@@ -100,7 +136,7 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
         return self.config.gla_state_shape, self.config.conv_state_shape
 
     def get_state_dtype(self):
-        return (f32, f32)  # the state is accumulated in fp32 whatever the weights' dtype
+        return self.state_dtype
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, D]
         out = torch.zeros_like(h)
@@ -132,9 +168,9 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
         # state in its page: it starts from zeros. Otherwise (a decode, a continued chunked
         # prefill, a prefix-cache hit) its page holds its state so far.
         fresh = meta.seq_lens[:ns].to(cu.device) == cu[1:] - cu[:-1]  # [ns]
-        # 1. one gather of every page of the step (a copy), read from here on
-        conv0 = conv_pages.index_select(0, slots)  # [ns, W, D]
-        gla0 = gla_pages.index_select(0, slots)  # [ns, H, dk, dv]
+        # 1. one gather of every page of the step (a copy; fp32, a no-op for fp32 pages)
+        conv0 = conv_pages.index_select(0, slots).to(f32)  # [ns, W, D]
+        gla0 = gla_pages.index_select(0, slots).to(f32)  # [ns, H, dk, dv]
         if fresh.any():  # a host check (CPU tensors): no pass over the pages when none is fresh
             conv0[fresh] = 0.0
             gla0[fresh] = 0.0
@@ -159,14 +195,20 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
             gla1.append(gla)  # [nd, H, dk, dv]
         if ns > nd:
             o, gla = gla_chunked_varlen(
-                q[td:n], k[td:n], v[td:n], log_decay, gla0[nd:], cu[nd:] - td,
-                self.scale, self.chunk_size,
-            )  # fmt: skip
+                q[td:n],
+                k[td:n],
+                v[td:n],
+                log_decay,
+                gla0[nd:],
+                cu[nd:] - td,
+                self.scale,
+                self.chunk_size,
+            )
             outs.append(o)  # [n - td, H, dv]
             gla1.append(gla)  # [ns - nd, H, dk, dv]
-        # 5. one scatter of every page of the step
-        conv_pages.index_copy_(0, slots, _cat(conv1))
-        gla_pages.index_copy_(0, slots, _cat(gla1))
+        # 5. one scatter of every page of the step (in the pages' dtype)
+        conv_pages.index_copy_(0, slots, _cat(conv1).to(conv_pages.dtype))
+        gla_pages.index_copy_(0, slots, _cat(gla1).to(gla_pages.dtype))
         # 6. augmentation, head norm, gate, output projection over all tokens
         out[:n] = self.output(_cat(outs), q, k, v, g)
 
@@ -194,15 +236,24 @@ direct_register_custom_op(
 )
 
 
+class LaplaceVLLMMLP(LaplaceMLP):
+    """LaplaceMLP's forward on vLLM's MLP layers (as vLLM's LlamaMLP): the fused [W_1; W_2] as
+    one `MergedColumnParallelLinear` (the exported tensor is fused), W_3 a `RowParallelLinear`."""
+
+    def __init__(self, config: LaplaceConfig, prefix: str):
+        nn.Module.__init__(self)
+        D, F = config.d_model, config.ffn_dim
+        self.w12 = _linear(MergedColumnParallelLinear, D, [F, F], f"{prefix}.w12")
+        self.w3 = _linear(RowParallelLinear, F, D, f"{prefix}.w3")
+
+
 class LaplaceVLLMDecoderLayer(nn.Module):
     def __init__(self, config: LaplaceConfig, prefix: str):
         super().__init__()
         self.ln_1 = LaplaceLayerNorm(config.d_model, config.norm_eps)
         self.mixer = LaplaceVLLMMixer(config, prefix=f"{prefix}.mixer")
         self.ln_2 = LaplaceLayerNorm(config.d_model, config.norm_eps)
-        self.mlp = LaplaceMLP(config)
-        self.mlp.w12 = VLLMLinear(config.d_model, 2 * config.ffn_dim, prefix=f"{prefix}.mlp.w12")
-        self.mlp.w3 = VLLMLinear(config.ffn_dim, config.d_model, prefix=f"{prefix}.mlp.w3")
+        self.mlp = LaplaceVLLMMLP(config, prefix=f"{prefix}.mlp")
 
     def forward(self, x):  # x: [N, D]
         x = x + self.mixer(self.ln_1(x))
@@ -215,9 +266,11 @@ class LaplaceVLLMModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config.laplace_config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.d_model, prefix=maybe_prefix(prefix, "embed_tokens")
+        )
         self.layers = nn.ModuleList(
-            LaplaceVLLMDecoderLayer(config, prefix=f"{prefix}.layers.{i}")
+            LaplaceVLLMDecoderLayer(config, prefix=maybe_prefix(prefix, f"layers.{i}"))
             for i in range(config.n_layers)
         )
         self.norm = LaplaceLayerNorm(config.d_model, config.norm_eps)
@@ -251,7 +304,7 @@ class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree, Supports
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
-        return (f32, f32)
+        return state_dtypes(vllm_config)
 
     @classmethod
     def get_mamba_state_copy_func(cls) -> tuple[MambaStateCopyFunc, MambaStateCopyFunc]:
@@ -261,12 +314,19 @@ class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree, Supports
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        if tp != 1:
+            raise ValueError(
+                f"Laplace is served at tensor-parallel size 1, not {tp}: its state layers keep "
+                "every head (serve replicas with --data-parallel-size instead)"
+            )
         config = vllm_config.model_config.hf_config.laplace_config
         self.config = config
-        self.model = LaplaceVLLMModel(
-            vllm_config=vllm_config, prefix=f"{prefix}.model" if prefix else "model"
+        self.model = LaplaceVLLMModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.d_model, bias=False, prefix=maybe_prefix(prefix, "lm_head")
         )
-        self.lm_head = VLLMLinear(config.d_model, config.vocab_size, prefix="lm_head")
+        self.logits_processor = LogitsProcessor(config.vocab_size)
         ours = {n: tuple(p.shape) for n, p in self.named_parameters()}
         names.check_tensors(config, ours, side="vLLM Laplace parameters vs laplace_spec/names.py")
 
@@ -279,16 +339,20 @@ class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree, Supports
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).to(f32)
+        return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Every exported tensor, by laplace_spec/names.py's names; anything else is an error."""
+        """Every exported tensor through its parameter's `weight_loader` (vLLM's
+        `default_weight_loader` where it has none); then every name and shape is checked
+        against laplace_spec/names.py: a missing, unexpected or mis-shaped tensor is an error
+        naming it (and is not loaded)."""
         params = dict(self.named_parameters())
+        expected = names.exported_shapes(self.config)
         got = {}
-        with torch.no_grad():
-            for name, w in weights:
-                got[name] = tuple(w.shape)
-                if name in params and tuple(params[name].shape) == tuple(w.shape):
-                    params[name].copy_(w.to(params[name].dtype))
-            names.check_tensors(self.config, got, side="vLLM load_weights")
+        for name, w in weights:
+            got[name] = tuple(w.shape)
+            if expected.get(name) == got[name]:
+                param = params[name]
+                getattr(param, "weight_loader", default_weight_loader)(param, w)
+        names.check_tensors(self.config, got, side="vLLM load_weights")
         return set(got)

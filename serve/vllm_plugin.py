@@ -2,11 +2,26 @@
 
 vLLM calls `register()` in every process it starts (API server, engine core, workers), so a plain
 vLLM process finds the architecture `LaplaceForCausalLM` of an exported folder's config.json.
+
+The model goes through vLLM's public `ModelRegistry`. Two more tables of vLLM 0.32 have no
+public registration call, and an out-of-tree state model still needs an entry in each (added
+only where absent; tests/test_vllm_model.py fails when either table is gone or no longer needed):
+
+    vllm.model_executor.models.config.MODELS_CONFIG_MAP
+        architecture -> config hook. vLLM sizes a state model's pages (`mamba_block_size`:
+        max_model_len, or the block size with prefix caching, which also needs align mode)
+        only in `MambaModelConfig`, and applies it only to the architectures listed here;
+        without it the engine stops at the unset block size.
+    vllm.transformers_utils.model_arch_config_convertor.MODEL_ARCH_CONFIG_CONVERTORS
+        model_type -> config convertor. The default takes the servable length as the smallest
+        of several config keys, `seq_len` (here only the training length) among them; Laplace's
+        is `max_position_embeddings` alone.
 """
 
 from __future__ import annotations
 
 ARCH = "LaplaceForCausalLM"
+MODEL_TYPE = "laplace"
 
 
 def register() -> None:
@@ -18,21 +33,19 @@ def register() -> None:
         # lazy "module:Class" form: the model module is imported only when it is used
         ModelRegistry.register_model(ARCH, "serve.vllm_model:LaplaceVLLMForCausalLM")
 
-    # An out-of-tree state model needs vLLM's mamba config hook, which sets the state page's
-    # block size (one page per sequence: block size = max_model_len without prefix caching).
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP, MambaModelConfig
 
     MODELS_CONFIG_MAP.setdefault(ARCH, MambaModelConfig)
 
-    # The servable length is `max_position_embeddings` alone: vLLM would otherwise take the
-    # smallest of several keys, including `seq_len`, which is only the training length here.
     from vllm.transformers_utils.model_arch_config_convertor import (
         MODEL_ARCH_CONFIG_CONVERTORS,
         MambaModelArchConfigConvertor,
     )
 
     class LaplaceArchConfigConvertor(MambaModelArchConfigConvertor):
+        """The servable length is `max_position_embeddings` alone."""
+
         def derive_max_model_len_and_key(self):
             return float(self.hf_text_config.max_position_embeddings), "max_position_embeddings"
 
-    MODEL_ARCH_CONFIG_CONVERTORS.setdefault("laplace", LaplaceArchConfigConvertor)
+    MODEL_ARCH_CONFIG_CONVERTORS.setdefault(MODEL_TYPE, LaplaceArchConfigConvertor)

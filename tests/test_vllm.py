@@ -1,7 +1,7 @@
 """vLLM serving: greedy parity JAX == PyTorch == vLLM, and the OpenAI server.
 
-One offline engine is shared by the parity tests (module fixture) and one server process by the
-server tests; each engine start costs tens of seconds on this CPU.
+One offline engine is shared by the parity tests and the offline command line (module fixture)
+and one server process by the server tests; each engine start costs tens of seconds on this CPU.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -84,9 +83,13 @@ def test_hf_generate_matches_jax(exported, prompts, reference):
     ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
     out = model.generate(
-        ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False,
-        eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
+        ids,
+        attention_mask=mask,
+        max_new_tokens=N_NEW,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     assert out[:, T:].tolist() == reference
 
 
@@ -125,8 +128,16 @@ def test_vllm_state_pages_hold_the_documented_state(llm, exported):
         [(tuple(s), d, n) for s, d, n in layer] for layer in llm.collective_rpc(_state_pages)[0]
     ]
     gla, conv = (cfg.n_heads, cfg.d_k, cfg.d_v), (cfg.conv_width, cfg.d_model)
-    assert pages == [[(gla, "torch.float32", 4 * math.prod(gla)),
-                      (conv, "torch.float32", 4 * math.prod(conv))]] * cfg.n_layers  # fmt: skip
+    assert (
+        pages
+        == [
+            [
+                (gla, "torch.float32", 4 * math.prod(gla)),
+                (conv, "torch.float32", 4 * math.prod(conv)),
+            ]
+        ]
+        * cfg.n_layers
+    )
     assert sum(n for layer in pages for _, _, n in layer) == cfg.state_bytes_per_sequence()["total"]
 
 
@@ -142,14 +153,26 @@ def test_vllm_compiled_greedy_matches_jax(exported, prompts, reference):
         del engine
 
 
-def test_cli_offline_json(exported, prompts, reference):
-    env = {**os.environ, **ENV}
-    cmd = [sys.executable, "-m", "serve.vllm_adapter", "--model", str(exported[2]),
-           "--prompt-ids", ",".join(map(str, prompts[2])), "--prompt", "the quick brown",
-           "--max-tokens", "8", "--temperature", "0", "--json"]  # fmt: skip
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+def test_cli_offline_json(llm, exported, prompts, reference, monkeypatch, capsys):
+    """`python -m serve.vllm_adapter --prompt ... --prompt-ids ... --json`: its main() on the
+    shared engine (the engine it would build differs from the fixture's only in max_num_seqs, a
+    derived default; the server tests below run the command in a process of its own)."""
+    from serve import vllm_adapter
+
+    built = {}
+
+    def shared_engine(model, **kwargs):
+        built.update(model=model, **kwargs)
+        return llm
+
+    monkeypatch.setattr(vllm_adapter, "make_llm", shared_engine)
+    ids = ",".join(map(str, prompts[2]))
+    argv = ["--model", str(exported[2]), "--prompt-ids", ids, "--prompt", "the quick brown"]
+    assert vllm_adapter.main([*argv, "--max-tokens", "8", "--temperature", "0", "--json"]) == 0
+    engine_args = dict(max_model_len=None, max_num_seqs=None, compile=False, seed=0)
+    assert built == dict(model=str(exported[2]), dtype="auto", prefix_caching=False, **engine_args)
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(rows) == 2
     # text prompts first, then token-id prompts
     assert rows[0]["prompt"] == "the quick brown" and len(rows[0]["token_ids"]) == 8
@@ -165,17 +188,35 @@ SERVER_MAX_LEN = 128
 def server(exported):
     port = free_port()
     env = {**os.environ, **ENV}
-    cmd = [sys.executable, "-m", "serve.vllm_adapter", "--model", str(exported[2]),
-           "--port", str(port), "--max-model-len", str(SERVER_MAX_LEN),
-           "--served-model-name", "laplace-tiny", "--max-num-seqs", "4"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "serve.vllm_adapter",
+        "--model",
+        str(exported[2]),
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(SERVER_MAX_LEN),
+        "--served-model-name",
+        "laplace-tiny",
+        "--max-num-seqs",
+        "4",
+    ]
     with adapter_server(cmd, port, exported[2].parent / "server.log", env, REPO) as running:
         yield running
 
 
 def test_server_completion_matches_greedy(server, prompts, reference):
     base, _ = server
-    body = {"model": "laplace-tiny", "prompt": prompts[2], "max_tokens": 12, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": "laplace-tiny",
+        "prompt": prompts[2],
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     status, text = post_json(base + "/v1/completions", body)
     assert status == 200, text
     choice = json.loads(text)["choices"][0]
@@ -184,8 +225,14 @@ def test_server_completion_matches_greedy(server, prompts, reference):
 
 def test_server_text_prompt_and_stream(server):
     base, _ = server
-    body = {"model": "laplace-tiny", "prompt": "the lazy dog", "max_tokens": 6,
-            "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": "laplace-tiny",
+        "prompt": "the lazy dog",
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     status, text = post_json(base + "/v1/completions", body)
     assert status == 200, text
     full = json.loads(text)["choices"][0]

@@ -62,9 +62,12 @@ def _run(llm, prompts, n, skip_cache=False):
     from vllm import SamplingParams
 
     sp = SamplingParams(
-        max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False,
+        max_tokens=n,
+        temperature=0.0,
+        ignore_eos=True,
+        detokenize=False,
         skip_reading_prefix_cache=skip_cache,
-    )  # fmt: skip
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     return [(list(o.outputs[0].token_ids), o.num_cached_tokens or 0) for o in outs]
 
@@ -180,17 +183,36 @@ def test_server_with_vllm_prefix_caching_flag_serves_a_conversation(exported, to
     """`--vllm-arg=--enable-prefix-caching` used to kill the engine on the first request."""
     cfg, out = exported
     port = free_port()
-    cmd = [sys.executable, "-m", "serve.vllm_adapter", "--model", str(out), "--port", str(port),
-           "--max-model-len", "1024", "--max-num-seqs", "4", "--served-model-name", "tiny",
-           "--vllm-arg=--enable-prefix-caching"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "serve.vllm_adapter",
+        "--model",
+        str(out),
+        "--port",
+        str(port),
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "4",
+        "--served-model-name",
+        "tiny",
+        "--vllm-arg=--enable-prefix-caching",
+    ]
     log_path = out.parent / "server_prefix.log"
     env = {**os.environ, **ENV}
     with adapter_server(cmd, port, log_path, env, REPO) as (base, _):
         rng = np.random.default_rng(13)
         prompt = rng.integers(0, cfg.vocab_size, 120).tolist()
         for turn in range(3):
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0,
-                    "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            body = {
+                "model": "tiny",
+                "prompt": prompt,
+                "max_tokens": 16,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
             status, text = post_json(base + "/v1/completions", body)
             assert status == 200, (turn, text, log_path.read_text()[-3000:])
             toks = json.loads(text)["choices"][0]["token_ids"]

