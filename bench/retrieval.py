@@ -104,14 +104,35 @@ def state_per_layer(d_model: int, heads: int) -> int:
 def train_args(run_dir: Path, spec: dict, steps: int) -> list[str]:
     """The `python -m train.main` arguments of one model."""
     return [
-        "--config", "tiny", "--task", spec["task"], "--run-dir", str(run_dir), "--no-progress",
-        "--steps", str(steps), "--mesh", "fsdp=1", "--global-batch-tokens", "2048",
-        "--ckpt-every", str(steps), "--log-every", "50",
+        "--config",
+        "tiny",
+        "--task",
+        spec["task"],
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        "--steps",
+        str(steps),
+        "--mesh",
+        "fsdp=1",
+        "--global-batch-tokens",
+        "2048",
+        "--ckpt-every",
+        str(steps),
+        "--log-every",
+        "50",
         *model_overrides(spec["d_model"], spec["heads"], spec["t_max"]),
-        f"token_mixer={spec['mixer']}", f"seq_len={spec['seq_len']}", f"seed={spec['seed']}",
-        f"total_steps={steps}", "warmup_steps=20", "eval_every=0", "sample_tokens=0",
-        "peak_flops=1e11", "async_checkpoints=false", f"lr={spec['lr']:g}",
-    ]  # fmt: skip
+        f"token_mixer={spec['mixer']}",
+        f"seq_len={spec['seq_len']}",
+        f"seed={spec['seed']}",
+        f"total_steps={steps}",
+        "warmup_steps=20",
+        "eval_every=0",
+        "sample_tokens=0",
+        "peak_flops=1e11",
+        "async_checkpoints=false",
+        f"lr={spec['lr']:g}",
+    ]
 
 
 def train(args: list[str], run_dir: Path) -> float:
@@ -183,8 +204,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.retrieval", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="1 seed, 1 learning rate, no state")
     ap.add_argument("--seeds", type=int, default=3, help="seeds of the MQAR study (default 3)")
-    ap.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in LEARNING_RATES),
-                    help="learning rates of the MQAR sweep (comma list)")  # fmt: skip
+    ap.add_argument(
+        "--lrs",
+        default=",".join(f"{lr:g}" for lr in LEARNING_RATES),
+        help="learning rates of the MQAR sweep (comma list)",
+    )
     ap.add_argument("--steps", type=int, default=1000, help="steps per run (default 1000)")
     ap.add_argument("--work-dir", default="runs/bench-retrieval", help="training runs")
     ap.add_argument("--fresh", action="store_true", help="retrain every run, reuse none")
@@ -231,8 +255,16 @@ def main(argv=None) -> int:
     for mixer, t_max in (("gla", 2048.0), ("gla", 64.0), ("attention", 2048.0)):
         if args.quick and t_max == 64.0:
             continue
-        spec = {"mixer": mixer, "d_model": 64, "heads": 4, "t_max": t_max, "seq_len": 64,
-                "seed": 0, "lr": PASSKEY_LR, "task": "passkey:depth=-1"}  # fmt: skip
+        spec = {
+            "mixer": mixer,
+            "d_model": 64,
+            "heads": 4,
+            "t_max": t_max,
+            "seq_len": 64,
+            "seed": 0,
+            "lr": PASSKEY_LR,
+            "task": "passkey:depth=-1",
+        }
         passkey.append(run(spec, flags))
 
     summary = summarise(sweep, best, state, passkey, contexts)
@@ -357,7 +389,7 @@ def summarise(sweep, best, state, passkey, contexts) -> dict:
                 {"context": c["seq_len"], "depth": c["depth"], "accuracy": c["accuracy"]}
                 for c in r["cells"]
             ],
-        }  # fmt: skip
+        }
         for r in passkey
     ]
     headline = {}
@@ -427,9 +459,12 @@ def plot(summary: dict, path: Path) -> Path:
     ax = axes[1]
     laplace = [p for p in summary["state"] if p["mixer"] == "laplace"]
     for (T, P), marker in zip(MQAR_SETTINGS, "o^s", strict=True):
-        ax.plot([p["state_per_layer"] for p in laplace],
-                [p[f"accuracy_{T}_{P}"] for p in laplace], marker + "-",
-                label=f"Laplace ({T}, {P})")  # fmt: skip
+        ax.plot(
+            [p["state_per_layer"] for p in laplace],
+            [p[f"accuracy_{T}_{P}"] for p in laplace],
+            marker + "-",
+            label=f"Laplace ({T}, {P})",
+        )
         for p in summary["state"]:
             if p["mixer"] == "attention":
                 ax.axhline(
@@ -445,8 +480,12 @@ def plot(summary: dict, path: Path) -> Path:
     ax = axes[2]
     for p in summary["passkey"]:
         deep = sorted((c for c in p["cells"] if c["depth"] == 0.0), key=lambda c: c["context"])
-        ax.plot([c["context"] for c in deep], [c["accuracy"] for c in deep], "o-",
-                label=f"{p['mixer']} T_max {p['t_max']:g}")  # fmt: skip
+        ax.plot(
+            [c["context"] for c in deep],
+            [c["accuracy"] for c in deep],
+            "o-",
+            label=f"{p['mixer']} T_max {p['t_max']:g}",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("passkey context (needle at depth 0)")
     ax.set_ylabel("accuracy")

@@ -35,7 +35,6 @@ import numpy as np
 from laplace_jax.attention import causal_attention
 from laplace_jax.gla import gla_chunked, gla_step
 from laplace_spec.config import LaplaceConfig
-from laplace_spec.param_groups import is_muon_path  # noqa: F401  (importers moving to laplace_spec)
 
 f32 = jnp.float32
 

@@ -16,9 +16,8 @@ import pytest
 from laplace_jax.model import abstract_params
 from laplace_jax.sharding import abstract_with_shardings, make_mesh, param_shardings, replicated
 from laplace_spec.config import ConfigError
+from train import build, neuron, peak
 from train import config as train_config
-from train import main as train_main
-from train import neuron
 from train.checkpoint import Checkpointer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,16 +109,16 @@ def test_bad_arguments_name_the_field(args, kwargs, field):
 
 
 def test_peak_table():
-    assert neuron.PEAK_FLOPS["trn2-lnc2"] == 166.75e12  # 667 TFLOP/s per chip / 4 logical cores
-    assert neuron.peak_flops_per_device("neuron", "NC_v3d") == 166.75e12
-    assert neuron.peak_flops_per_device("neuron", "NC_v2") == 95e12
-    assert neuron.peak_flops_per_device("neuron", "something new") is None
-    assert neuron.peak_flops_per_device("cpu", "NC_v3d") is None
-    assert neuron.mesh_peak_flops(make_mesh(8)) is None  # CPU: the trainer measures instead
+    assert peak.PEAK_FLOPS["trn2-lnc2"] == 166.75e12  # 667 TFLOP/s per chip / 4 logical cores
+    assert peak.peak_flops_per_device("neuron", "NC_v3d") == 166.75e12
+    assert peak.peak_flops_per_device("neuron", "NC_v2") == 95e12
+    assert peak.peak_flops_per_device("neuron", "something new") is None
+    assert peak.peak_flops_per_device("cpu", "NC_v3d") is None
+    assert peak.mesh_peak_flops(make_mesh(8)) is None  # CPU: the trainer measures instead
 
 
 def test_trainer_takes_the_table_peak_on_neuron_only():
-    """train.main.with_table_peak on a stand-in for a mesh of 64 trn2 devices at LNC=2."""
+    """train.peak.with_table_peak on a stand-in for a mesh of 64 trn2 devices at LNC=2."""
     from types import SimpleNamespace
 
     def mesh(kind, platform="neuron", n=64):
@@ -127,14 +126,14 @@ def test_trainer_takes_the_table_peak_on_neuron_only():
         return SimpleNamespace(devices=np.array([device] * n, dtype=object), size=n)
 
     cfg = train_config.resolve("tiny", [], {})
-    got = train_main.with_table_peak(cfg, mesh("NC_v3d"))
+    got = peak.with_table_peak(cfg, mesh("NC_v3d"))
     assert got.train.peak_flops == 64 * 166.75e12
     assert "note: peak_flops=1.067e+16 FLOP/s" in got.notices[-1]
-    unknown = train_main.with_table_peak(cfg, mesh("NC_v9"))
+    unknown = peak.with_table_peak(cfg, mesh("NC_v9"))
     assert unknown.train.peak_flops == 0 and "not in the peak table" in unknown.notices[-1]
-    assert train_main.with_table_peak(cfg, mesh("cpu", "cpu")) is cfg  # the probe stays
+    assert peak.with_table_peak(cfg, mesh("cpu", "cpu")) is cfg  # the probe stays
     given = train_config.resolve("tiny", ["peak_flops=1e15"], {})
-    assert train_main.with_table_peak(given, mesh("NC_v3d")) is given
+    assert peak.with_table_peak(given, mesh("NC_v3d")) is given
 
 
 def test_launcher_dry_run_prints_the_environment_and_the_command(capsys):
@@ -163,6 +162,9 @@ def test_launcher_dry_run_prints_the_environment_and_the_command(capsys):
         "scan_unroll=true",
         "init_on_host=true",
     ]
+    # --mesh is read by train.main's own parser: a bad one is train.main's error
+    with pytest.raises(ConfigError, match="^--mesh needs fsdp=F"):
+        neuron.train_settings(["--mesh", "data=2"], 128, 2)
 
 
 def test_launcher_rejects_bad_arguments(capsys):
@@ -171,7 +173,7 @@ def test_launcher_rejects_bad_arguments(capsys):
 
 
 def _init_parts(cfg, mesh):
-    """What restore_or_init needs of train.main.build_model, without compiling the steps."""
+    """What restore_or_init needs of train.build.build_model, without compiling the steps."""
     ps = param_shardings(cfg.model, mesh)
     abs_params = abstract_with_shardings(abstract_params(cfg.model), ps)
     tx, _, os_ = train_config.build_optimizer(cfg.optim, abs_params, ps, mesh)
@@ -187,7 +189,7 @@ def _init_parts(cfg, mesh):
 
 
 def test_init_on_host_equals_the_device_init_bit_for_bit():
-    """A new run's state (train.main.restore_or_init with no checkpoint) on 8 devices, tiny
+    """A new run's state (train.build.restore_or_init with no checkpoint) on 8 devices, tiny
     preset, seed 3: parameters initialised on the host CPU and placed equal the jitted on-device
     init bit for bit, with the same shardings; the optimizer state too."""
     mesh = make_mesh(8)
@@ -196,9 +198,7 @@ def test_init_on_host_equals_the_device_init_bit_for_bit():
         cfg = train_config.resolve("tiny", [f"init_on_host={flag}", "seed=3"], {})
         with tempfile.TemporaryDirectory() as d:
             ckpt = Checkpointer(d, async_save=False)
-            states[flag], start, _ = train_main.restore_or_init(
-                cfg, _init_parts(cfg, mesh), ckpt, None
-            )
+            states[flag], start, _ = build.restore_or_init(cfg, _init_parts(cfg, mesh), ckpt, None)
             ckpt.close()
         assert start == 0
     device, host = states["false"], states["true"]

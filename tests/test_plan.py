@@ -186,7 +186,7 @@ def test_plan_on_a_2d_mesh():
     """data=2 x fsdp=4: FSDP groups of 4 (gathers of 3/4), the gradient shard all-reduced
     across the 2 data rows, the batch over all 8 devices."""
     cfg = train_plan_resolve("tiny", ["global_batch_tokens=512"])
-    from train.main import mesh_from_flag
+    from train.cli import mesh_from_flag
 
     plan = train_plan.make_plan(cfg, mesh_from_flag("data=2,fsdp=4"))
     assert plan["mesh"] == {"data": 2, FSDP: 4}

@@ -1,4 +1,5 @@
-"""The trainer: it learns, resumes exactly after SIGKILL, moves across device counts, guards NaN
+"""The trainer: it learns (logging to metrics.jsonl and TensorBoard alike, and tracing the steps
+--profile-steps asks for), resumes exactly after SIGKILL, moves across device counts, guards NaN
 (logging the learning rate optax applied), refuses or skips damaged checkpoints without losing
 logged history, says what it chose at start-up, and its FSDP step equals the single-device step.
 Tiny model, a few dozen steps, 8 CPU devices."""
@@ -10,6 +11,7 @@ import math
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -24,6 +26,7 @@ from laplace_jax.model import LaplaceLM, abstract_params, init_params
 from laplace_jax.optim import OPTIMIZER_PRESETS, OptimizerConfig, learning_rate_schedule
 from laplace_jax.sharding import abstract_with_shardings, make_mesh, param_shardings
 from laplace_spec.config import ConfigError, get_config
+from train import cli
 from train import config as train_config
 from train import main as train_main
 from train.checkpoint import Checkpointer
@@ -52,13 +55,16 @@ def shards(tmp_path_factory):
 
 def _args(shards, run_dir, *extra):
     return [
-        "--config", "tiny",
-        "--data", str(shards / "train_*.bin"),
-        "--run-dir", str(run_dir),
+        "--config",
+        "tiny",
+        "--data",
+        str(shards / "train_*.bin"),
+        "--run-dir",
+        str(run_dir),
         "--no-progress",
         "sample_tokens=0",
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 def _metrics(run_dir):
@@ -71,6 +77,42 @@ def _metrics(run_dir):
 
 def _losses(run_dir):
     return {m["step"]: m["loss"] for m in _metrics(run_dir)}
+
+
+def _tensorboard_events(run_dir):
+    """Every event of RUN_DIR/tensorboard/, file by file in TensorBoard's (name) order, read with
+    tensorboardX's protobufs from the TFRecord framing (length u64, crc, data, crc); a record
+    cut short by a SIGKILL ends its file."""
+    from tensorboardX.proto import event_pb2
+
+    files = sorted((Path(run_dir) / "tensorboard").glob("events.out.tfevents.*"))
+    assert files
+    events = []
+    for path in files:
+        data, at = path.read_bytes(), 0
+        while at + 12 <= len(data):
+            (n,) = struct.unpack("<Q", data[at : at + 8])
+            if at + 12 + n + 4 > len(data):
+                break
+            events.append((path, event_pb2.Event.FromString(data[at + 12 : at + 12 + n])))
+            at += 12 + n + 4
+    return events
+
+
+def _tensorboard_scalars(run_dir):
+    """{tag: {step: value}} as TensorBoard shows them: a purge mark (a session start at step S)
+    drops what earlier files logged at steps >= S."""
+    from tensorboardX.proto import event_pb2
+
+    scalars = {}
+    for _, event in _tensorboard_events(run_dir):
+        if event.session_log.status == event_pb2.SessionLog.START:
+            for values in scalars.values():
+                for step in [s for s in values if s >= event.step]:
+                    del values[step]
+        for value in event.summary.value:
+            scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
 
 
 def _subprocess(args, devices=8, code=None):
@@ -118,11 +160,8 @@ def _truncate_an_array_file(step_dir):
 
 def test_tiny_model_learns_structured_data(shards, tmp_path):
     run = tmp_path / "run"
-    status = train_main.main(
-        _args(
-            shards, run, "--steps", "30", "--val-data", str(shards / "val_*.bin"), "eval_every=15"
-        )
-    )
+    val = ("--val-data", str(shards / "val_*.bin"), "eval_every=15")
+    status = train_main.main(_args(shards, run, "--steps", "30", *val, "--profile-steps", "3:4"))
     assert status == 0
     m = _metrics(run)
     assert [r["step"] for r in m] == list(range(1, 31))
@@ -141,6 +180,18 @@ def test_tiny_model_learns_structured_data(shards, tmp_path):
 
     png = plot(run)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # TensorBoard holds every numeric field of metrics.jsonl, at the same steps (float32)
+    expected = {}
+    for r in m:
+        for k, v in r.items():
+            if k != "step" and v is not None:
+                expected.setdefault(k, {})[r["step"]] = float(np.float32(v))
+    assert {"loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "mfu"} <= set(expected)
+    assert _tensorboard_scalars(run) == expected
+    # --profile-steps 3:4: one jax.profiler trace, for TensorBoard's profile plugin and Perfetto
+    (trace,) = (run / "profile").glob("plugins/profile/*/*.xplane.pb")
+    assert trace.stat().st_size > 0
+    assert (trace.parent / "perfetto_trace.json.gz").is_file()
 
 
 def test_sigkill_between_checkpoints_then_resume_gives_the_same_losses(shards, tmp_path):
@@ -172,6 +223,18 @@ def test_sigkill_between_checkpoints_then_resume_gives_the_same_losses(shards, t
         {**r, "superseded_at": resumed_at} for r in crashed_log if r["step"] > resumed_at
     ]
     assert f"{10 - resumed_at} lines of metrics.jsonl after step {resumed_at}" in out.stdout
+    # TensorBoard: the resumed run's event file starts by purging the steps after its checkpoint
+    # and logs the same steps and losses as metrics.jsonl from there (what the killed run had
+    # not flushed is lost there, not in metrics.jsonl)
+    events = _tensorboard_events(killed)
+    newest = max(path for path, _ in events)
+    marks = [e.step for path, e in events if path == newest and e.HasField("session_log")]
+    assert marks == [resumed_at + 1]
+    tb = _tensorboard_scalars(killed)["loss"]
+    assert set(tb) <= set(got)
+    assert {s: tb[s] for s in tb if s > resumed_at} == {
+        s: float(np.float32(got[s])) for s in range(resumed_at + 1, 15)
+    }
 
 
 def test_restore_on_four_devices_gives_the_same_next_loss(shards, tmp_path):
@@ -280,8 +343,12 @@ def test_every_checkpoint_corrupt_stops_changing_nothing_and_restart_starts_over
     out = capsys.readouterr().out
     aside = [p for p in run.iterdir() if p.name.startswith("restarted-")]
     assert len(aside) == 1
-    assert f"restart: moved checkpoints, metrics.jsonl into {aside[0]}; starting at step 0" in out
+    moved = "checkpoints, metrics.jsonl, tensorboard"
+    assert f"restart: moved {moved} into {aside[0]}; starting at step 0" in out
     assert (aside[0] / "metrics.jsonl").read_bytes() == old_log
+    assert _snapshot(aside[0] / "tensorboard") == {
+        k.removeprefix("tensorboard/"): v for k, v in before.items() if k.startswith("tensorboard/")
+    }
     assert _snapshot(aside[0] / "checkpoints") == {
         k.removeprefix("checkpoints/"): v for k, v in before.items() if k.startswith("checkpoints/")
     }
@@ -448,17 +515,15 @@ def test_startup_notices_say_what_was_chosen(shards, tmp_path, capsys):
 
 
 def test_explicit_settings_get_no_notice():
-    cfg = train_main.resolve_configs(
-        train_main.parse_args(
-            ["--config", "tiny", "--steps", "30", "total_steps=100", "warmup_steps=7"]
-        )
+    cfg = cli.resolve_configs(
+        cli.parse_args(["--config", "tiny", "--steps", "30", "total_steps=100", "warmup_steps=7"])
     )
     assert (cfg.optim.total_steps, cfg.optim.warmup_steps, cfg.notices) == (100, 7, ())
     # the 3B recipe's schedule already spans its run
-    cfg = train_main.resolve_configs(train_main.parse_args(["--config", "laplace-3b"]))
+    cfg = cli.resolve_configs(cli.parse_args(["--config", "laplace-3b"]))
     assert cfg.notices == () and cfg.optim == OPTIMIZER_PRESETS["laplace-3b"]
     # only total_steps fitted: warmup stays the preset's, and the note says so
-    cfg = train_main.resolve_configs(train_main.parse_args(["--config", "tiny", "--steps", "400"]))
+    cfg = cli.resolve_configs(cli.parse_args(["--config", "tiny", "--steps", "400"]))
     assert cfg.optim.warmup_steps == OPTIMIZER_PRESETS["tiny"].warmup_steps
     assert cfg.notices == (
         "note: the learning-rate schedule is fitted to this run: total_steps=400 (the run's "
@@ -550,11 +615,27 @@ def test_fsdp_and_2d_mesh_steps_equal_the_1_device_step():
 
 
 def test_mesh_flag():
-    assert dict(train_main.mesh_from_flag("fsdp=4").shape) == {"fsdp": 4}
-    assert dict(train_main.mesh_from_flag("data=2,fsdp=4").shape) == {"data": 2, "fsdp": 4}
+    assert dict(cli.mesh_from_flag("fsdp=4").shape) == {"fsdp": 4}
+    assert dict(cli.mesh_from_flag("data=2,fsdp=4").shape) == {"data": 2, "fsdp": 4}
     for bad in ("fsdp=x", "data=2", "tp=2,fsdp=4", "data=3,fsdp=3"):
         with pytest.raises(ConfigError):
-            train_main.mesh_from_flag(bad)
+            cli.mesh_from_flag(bad)
+
+
+def test_bad_profile_steps_is_one_error_line(tmp_path, capsys):
+    assert cli.parse_profile_steps("5:7") == (5, 7) and cli.parse_profile_steps("3:3") == (3, 3)
+    assert cli.parse_profile_steps(None) is None
+    for bad in ("5", "5:", "a:b", "7:5", "-1:3", "0:2", "3:4:5", "2.5:4", ""):
+        with pytest.raises(ConfigError, match="^--profile-steps expects A:B"):
+            cli.parse_profile_steps(bad)
+    args = ["--config", "tiny", "--run-dir", str(tmp_path / "run"), "--profile-steps=7:5"]
+    assert train_main.main(args) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: --profile-steps expects A:B, two step numbers with 1 <= A <= B (e.g. 5:7), "
+        "got '7:5'\n"
+    )
+    assert not (tmp_path / "run").exists()
 
 
 def test_gradient_accumulation_equals_one_big_batch():
@@ -576,10 +657,10 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 
 def test_overrides_are_routed_and_unknown_keys_rejected():
-    args = train_main.parse_args(
+    args = cli.parse_args(
         ["--config", "tiny", "d_model=128", "d_v=32", "lr=0.05", "log_every=3", "--steps", "17"]
     )
-    cfg = train_main.resolve_configs(args)
+    cfg = cli.resolve_configs(args)
     model, opt, tr = cfg.model, cfg.optim, cfg.train
     assert (model.d_model, opt.lr, tr.log_every, tr.steps, opt.total_steps) == (
         128,
@@ -589,13 +670,13 @@ def test_overrides_are_routed_and_unknown_keys_rejected():
         17,
     )
     with pytest.raises(ConfigError, match="unknown config key 'colour'"):
-        train_main.resolve_configs(train_main.parse_args(["colour=red"]))
+        cli.resolve_configs(cli.parse_args(["colour=red"]))
     with pytest.raises(ConfigError, match="lr expects float"):
-        train_main.resolve_configs(train_main.parse_args(["lr=fast"]))
+        cli.resolve_configs(cli.parse_args(["lr=fast"]))
     assert train_main.main(["--config", "tiny", "bogus=1"]) == 2
     for hook in ("--debug-nan-at-step", "--debug-sigkill-at-step"):  # in-process hooks only
         with pytest.raises(SystemExit):
-            train_main.parse_args([hook, "3"])
+            cli.parse_args([hook, "3"])
 
 
 def test_batch_layout():

@@ -35,7 +35,7 @@ class TrainConfig:
     scan_unroll: bool = False  # static unroll of the GLA chunk scan (set on Neuron)
     remat: str = "none"  # what the backward recomputes: none | layer | dots (fsdp.REMAT_POLICIES)
     peak_flops: float = 0.0  # MFU denominator in FLOP/s; 0 = measure the matmul rate now
-    # (on Neuron: 0 = the peak table of train/neuron.py)
+    # (on Neuron: 0 = the peak table of train/peak.py)
     # initialise parameters on the host CPU, then place the shards (Neuron: RNG init compiles
     # slowly on the device)
     init_on_host: bool = False

@@ -1,5 +1,5 @@
-"""Start the trainer on AWS Trainium (trn2): the Neuron environment of one trainer process, the
-peak-FLOP table that replaces the CPU matmul probe, and the launcher.
+"""Start the trainer on AWS Trainium (trn2): the Neuron environment of one trainer process and
+the launcher (the peak-FLOP table that replaces the CPU matmul probe is train/peak.py).
 
     python -m train.neuron launch --instances N --index I --coordinator HOST:PORT \\
         [--cores 64] [--lnc 2] [--cache-dir DIR] [--cc-flags "..."] [--dry-run] -- TRAIN_ARGS
@@ -7,8 +7,8 @@ peak-FLOP table that replaces the CPU matmul probe, and the launcher.
 runs `python -m train.main TRAIN_ARGS` (on instance I of N) with the environment of
 `neuron_env` and, unless TRAIN_ARGS set them, `scan_unroll=true` (the Neuron compiler needs the
 whole backward graph), `init_on_host=true` (RNG init compiles slowly on a NeuronCore) and
-`peak_flops` from `PEAK_FLOPS` (the MFU denominator). `--dry-run` prints the environment and
-the command and exits. The launcher `exec`s the trainer (the same process id), so a
+`peak_flops` from `PEAK_FLOPS` of train/peak.py (the MFU denominator). `--dry-run` prints the
+environment and the command and exits. The launcher `exec`s the trainer (the same process id), so a
 scheduler's SIGTERM reaches `train.main` itself, which saves and exits 75 (train/preemption.py).
 If the runtime rejects Muon's all_to_all, add `muon_mode=gather` to
 TRAIN_ARGS: the gather form uses only all-gathers (docs/design.md s4), the one-flag fallback.
@@ -52,37 +52,21 @@ Choices, and the documentation they follow (AWS Neuron docs, awsdocs-neuron.read
   device programs hold no 64-bit integers and no integer dot or collective (the Neuron census of
   `python -m train.plan`), so neither flag should trigger.
 - JAX's coordinator: `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`, what
-  `train.main.maybe_initialize_distributed` reads, set only when there is more than one process.
+  `train.distributed.maybe_initialize_distributed` reads, set only when there is more than one
+  process.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shlex
 import sys
 from collections.abc import Sequence
 
 from laplace_spec.config import ConfigError
-
-# Peak dense BF16 FLOP/s of one logical NeuronCore (the MFU denominator, per device).
-# - Trainium2 architecture page: a Trainium2 chip's "Eight NeuronCore-v3 ... collectively
-#   deliver ... 667 BF16/FP16/TF32 TFLOPS" (dense; 1,299 FP8). LNC=2 makes 4 logical cores of
-#   a chip, LNC=1 makes 8. (The NeuronCore-v3 page gives 79 TFLOPS for one Tensor Engine, 5%
-#   below a chip's eighth.) train/plan.py's modelled step time uses the LNC=2 entry.
-# - Trainium architecture page (trn1): a Trainium chip's "Two NeuronCore-v2 delivering ...
-#   190 FP16/BF16/cFP8/TF32 TFLOPS".
-PEAK_FLOPS: dict[str, float] = {
-    "trn2-lnc2": 667e12 / 4,  # 166.75 TFLOP/s per logical core, 10.67 PFLOP/s per trn2.48xlarge
-    "trn2-lnc1": 667e12 / 8,  # 83.375 TFLOP/s
-    "trn1": 190e12 / 2,  # 95 TFLOP/s per NeuronCore-v2
-}
-
-# `device_kind` of a JAX Neuron device -> PEAK_FLOPS key. "NC_v3d" is what AXLearn's Neuron
-# kernels test for LNC=2 (`lnc = 2 if jax.devices()[0].device_kind == "NC_v3d" else 1`);
-# "NC_v3" and "NC_v2" follow that naming and are not confirmed by a document.
-DEVICE_KINDS: dict[str, str] = {"NC_v3d": "trn2-lnc2", "NC_v3": "trn2-lnc1", "NC_v2": "trn1"}
+from train import cli
+from train.peak import PEAK_FLOPS
 
 DEFAULT_CC_FLAGS: tuple[str, ...] = (
     "--auto-cast=none",
@@ -94,22 +78,6 @@ DEFAULT_CC_FLAGS: tuple[str, ...] = (
 LAUNCH_SETTINGS: dict[str, str] = {"scan_unroll": "true", "init_on_host": "true"}
 
 DEFAULT_CACHE_DIR = "/var/tmp/neuron-compile-cache"  # Neuron's usual local NEFF cache location
-
-
-def peak_flops_per_device(backend: str, device_kind: str) -> float | None:
-    """Peak dense BF16 FLOP/s of one device from `PEAK_FLOPS`; None off Neuron or for a device
-    kind the table does not know (the trainer then measures a matmul rate)."""
-    if backend != "neuron":
-        return None
-    key = DEVICE_KINDS.get(device_kind)
-    return PEAK_FLOPS[key] if key else None
-
-
-def mesh_peak_flops(mesh) -> float | None:
-    """The whole mesh's peak from the table (per-device peak x devices), or None."""
-    device = mesh.devices.flat[0]
-    per_device = peak_flops_per_device(device.platform, device.device_kind)
-    return None if per_device is None else per_device * mesh.size
 
 
 def _positive_int(name: str, value) -> int:
@@ -219,14 +187,12 @@ def unset_settings(overrides: list[str], wanted: dict[str, str]) -> list[str]:
 def train_settings(train_args: list[str], n_devices: int, logical_nc: int) -> list[str]:
     """The `key=value` settings the launcher adds to the train.main arguments: each one unless
     the arguments already set it. `peak_flops` is the table's trn2 peak times the mesh's devices
-    (`--mesh` if given, else every device of the run)."""
-    from train import main as train_main
-
-    args = train_main.parse_args(train_args)
+    (`--mesh` if given, else every device of the run). A bad `--mesh` is train.main's
+    ConfigError."""
+    args = cli.parse_args(train_args)
     if args.mesh:
-        sizes = [part.partition("=")[2] for part in args.mesh.split(",")]
-        if all(s.isdigit() for s in sizes):
-            n_devices = math.prod(int(s) for s in sizes)
+        data, fsdp = cli.mesh_sizes(args.mesh)
+        n_devices = data * fsdp
     peak = PEAK_FLOPS[f"trn2-lnc{logical_nc}"] * n_devices
     wanted = {**LAUNCH_SETTINGS, "peak_flops": f"{peak:.6g}"}
     return unset_settings(args.overrides, wanted)

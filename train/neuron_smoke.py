@@ -1,8 +1,8 @@
 """The first thing to run on a Trainium instance: `python -m train.neuron_smoke [--cores 2|64]`.
 
-Four short checks of the `tiny` preset, built the way the trainer builds it (`train.main.
-build_model`, `init_on_host=true`, `scan_unroll=true`), each printed as PASS or FAIL with its
-numbers; the exit status is 1 if any fails:
+Four short checks of the `tiny` preset, built the way the trainer builds it (its mesh from
+`train.cli.mesh_from_flag`, `train.build.build_model`, `init_on_host=true`, `scan_unroll=true`),
+each printed as PASS or FAIL with its numbers; the exit status is 1 if any fails:
 
 - `processes`: a 2-process start. Two subprocesses, each with half of the cores and the
   environment of `train.neuron.neuron_env` (one instance, two processes), join through
@@ -105,18 +105,20 @@ def child() -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from jax.sharding import NamedSharding, PartitionSpec
 
-    from train.main import maybe_initialize_distributed
+    from laplace_jax.sharding import FSDP, replicated
+    from train.cli import mesh_from_flag
+    from train.distributed import maybe_initialize_distributed
 
     maybe_initialize_distributed(False)  # reads JAX_COORDINATOR_ADDRESS etc., as train.main does
     n = jax.device_count()
-    mesh = Mesh(np.asarray(jax.devices()), ("x",))
+    mesh = mesh_from_flag(None)  # the trainer's default mesh: every device of both processes
     values = np.arange(1, n + 1, dtype=np.float32)  # every device adds a part of the sum
     x = jax.make_array_from_callback(
-        (n,), NamedSharding(mesh, PartitionSpec("x")), lambda i: values[i]
+        (n,), NamedSharding(mesh, PartitionSpec(FSDP)), lambda i: values[i]
     )
-    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, PartitionSpec()))(x)
+    total = jax.jit(jnp.sum, out_shardings=replicated(mesh))(x)
     answer = {
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
@@ -202,10 +204,10 @@ def build(args):
     """The trainer's tiny-preset set-up on `--cores` devices: (cfg, mesh, parts, state)."""
     import jax
 
-    from laplace_jax.sharding import make_mesh
     from train import config as train_config
-    from train import main as train_main
+    from train.build import build_model, restore_or_init
     from train.checkpoint import Checkpointer
+    from train.cli import mesh_from_flag
 
     m = args.cores  # one sequence per device per micro-step, 2 micro-steps
     overrides = [
@@ -216,11 +218,11 @@ def build(args):
         "sample_tokens=0",
     ]
     cfg = train_config.resolve("tiny", overrides, {})
-    mesh = make_mesh(args.cores)
-    parts = train_main.build_model(cfg, mesh)
+    mesh = mesh_from_flag(f"fsdp={args.cores}")  # as `train.main --mesh fsdp=N` makes it
+    parts = build_model(cfg, mesh)
     with tempfile.TemporaryDirectory() as empty:  # no checkpoint: a new state
         ckpt = Checkpointer(empty, async_save=False)
-        state, _, _ = train_main.restore_or_init(cfg, parts, ckpt, None)
+        state, _, _ = restore_or_init(cfg, parts, ckpt, None)
         ckpt.close()
     assert jax.tree.leaves(state["params"])[0].sharding.mesh.size == args.cores
     return cfg, mesh, parts, state
@@ -233,9 +235,9 @@ def check_muon(cfg, mesh, parts) -> bool:
     import optax
     from flax.traverse_util import flatten_dict
 
-    from laplace_jax.model import is_muon_path
+    from laplace_spec.param_groups import is_muon_path
     from train import config as train_config
-    from train.main import init_params_on_host
+    from train.build import init_params_on_host
 
     t0 = time.perf_counter()
     shard = parts["p_shard"]

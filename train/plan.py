@@ -43,7 +43,8 @@ import os
 import sys
 import time
 
-from train.neuron import LAUNCH_SETTINGS, PEAK_FLOPS, unset_settings
+from train.neuron import LAUNCH_SETTINGS, unset_settings
+from train.peak import PEAK_FLOPS
 
 GIB = 1024**3
 CENSUS_VIOLATIONS = (
@@ -60,7 +61,7 @@ CENSUS_VIOLATIONS = (
 # is fitted to a measured step: compute runs at the Tensor Engine's peak and collectives at the
 # link's bandwidth, one after the other.
 TRN2 = {
-    # peak dense bf16 of a logical NeuronCore at LNC=2 (train/neuron.py's table and sources:
+    # peak dense bf16 of a logical NeuronCore at LNC=2 (train/peak.py's table and sources:
     # 667 TFLOP/s per Trainium2 chip, 4 logical cores each; 64 on a trn2.48xlarge)
     "bf16_flops_per_s_per_core": PEAK_FLOPS["trn2-lnc2"],
     # the share of that peak the compute term assumes: 1, so the step time is a floor
@@ -112,8 +113,8 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
     from laplace_jax.model import init_params, init_state
     from laplace_jax.optim import muon_plan
     from laplace_jax.sharding import DATA, FSDP, logical_sharding, replicated
+    from train.build import build_model
     from train.config import batch_layout
-    from train.main import build_model
     from train.step import EVAL_BATCH_AXES, TRAIN_BATCH_AXES
 
     m, n = cfg.model, mesh.size
@@ -134,7 +135,7 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
     prompt = min(m.chunk_size, m.seq_len)
     abs_state = jax.eval_shape(lambda: init_state(m, 1))
     if t.init_on_host:  # the launcher's setting: one unsharded program on the host CPU, as
-        init = jax.jit(lambda k: init_params(m, k))  # train.main.init_params_on_host runs it
+        init = jax.jit(lambda k: init_params(m, k))  # train.build.init_params_on_host runs it
     else:
         init = jax.jit(lambda k: init_params(m, k), out_shardings=parts["p_shard"])
     programs = {
@@ -297,7 +298,7 @@ def main(argv=None) -> int:
         simulate_devices(args.devices)
     from laplace_spec.config import ConfigError
     from train import config as train_config
-    from train.main import mesh_from_flag
+    from train.cli import mesh_from_flag
 
     try:
         cfg = train_config.resolve(

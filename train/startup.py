@@ -1,0 +1,132 @@
+"""A run's set-up, in order: the configs, the data or task pipeline, the mesh, the model and its
+state (restored or new), the run directory's files and logs, then the start-up lines (the
+`note:` lines of what was chosen, and the model, mesh, batch, data and peak)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+
+from laplace_jax.sharding import FSDP
+from train import cli
+from train.build import build_model, restore_or_init
+from train.checkpoint import Checkpointer
+from train.config import batch_layout
+from train.distributed import maybe_initialize_distributed
+from train.loop import Trainer
+from train.metrics import Metrics
+from train.peak import with_table_peak
+from train.pipelines import build_pipeline, doc_reset_eot, open_data, task_pipeline
+from train.profiling import StepTrace
+from train.run_dir import restart_aside, write_run_files
+
+
+def set_up(args) -> Trainer:
+    """Configs, data, model, optimizer and state (restored or new), then the run files; prints
+    the start-up lines. Nothing in the run directory changes before the restore has succeeded
+    (but for what --restart moves aside, and corrupt checkpoints set aside by a restore)."""
+    maybe_initialize_distributed(args.distributed)
+    if jax.default_backend() == "neuron":
+        jax.config.update("jax_default_prng_impl", "rbg")  # Threefry is not fully supported
+    from laplace_jax.accounting import training_flops_per_token
+    from laplace_jax.sharding import replicated_fallbacks
+    from train.step import measure_matmul_flops
+
+    cfg = cli.resolve_configs(args)
+    profile_steps = cli.parse_profile_steps(args.profile_steps)
+    main_proc = jax.process_index() == 0
+    say = print if main_proc else (lambda *a, **k: None)
+    run_dir = Path(args.run_dir)
+    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else run_dir / "checkpoints"
+    task = cli.parse_task_flag(args, cfg.model)
+    if task is None:
+        train_paths, val_paths, tokenizer_src = open_data(args, cfg.model, main_proc)
+    else:
+        train_paths, val_paths, tokenizer_src = [], [], None
+    mesh = cli.mesh_from_flag(args.mesh)
+    cfg = with_table_peak(cfg, mesh)
+    layout = batch_layout(cfg.train, cfg.model.seq_len, mesh.size, jax.process_count())
+    if task is None:
+        batches, val_batches, train_tokens = build_pipeline(cfg, layout, train_paths, val_paths)
+    else:
+        batches, val_batches, train_tokens = task_pipeline(cfg, layout, task)
+    eot_id = doc_reset_eot(cfg.train, train_paths, task is not None, say)
+    parts = build_model(cfg, mesh, masked=task is not None, eot_id=eot_id)
+    if args.restart:  # asked for, and the rest of the set-up is valid
+        restart_aside(run_dir, ckpt_dir, say)
+    ckpt = Checkpointer(ckpt_dir, cfg.train.keep_checkpoints, cfg.train.async_checkpoints)
+    try:
+        state, start, notes = restore_or_init(cfg, parts, ckpt, batches)
+    except BaseException:
+        ckpt.close()
+        raise
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = {"train": train_paths, "val": val_paths, "train_tokens": train_tokens}
+    if task is not None:
+        data = {"task": task[0], "task_params": task[1], "train_tokens": train_tokens}
+    meta = write_run_files(args, cfg, run_dir, tokenizer_src, mesh, layout, data)
+    metrics = Metrics(run_dir, start, main_proc)
+    trace = StepTrace(profile_steps, run_dir / "profile", main_proc, start, cfg.train.steps, say)
+    if trace.note:
+        notes.append(trace.note)
+    if metrics.superseded:
+        notes.append(
+            f"note: {metrics.superseded} lines of metrics.jsonl after step {start} (logged by an "
+            f"earlier run past its last checkpoint) moved to metrics.superseded.jsonl"
+        )
+    fallbacks = replicated_fallbacks(cfg.model, mesh)
+    if fallbacks:
+        notes.append(replication_notice(fallbacks, mesh.shape[FSDP]))
+    t = Trainer(
+        cfg=cfg,
+        mesh=mesh,
+        say=say,
+        main_proc=main_proc,
+        ckpt_dir=ckpt_dir,
+        layout=layout,
+        batches=batches,
+        val_batches=val_batches,
+        tokenizer_src=tokenizer_src,
+        train_step=parts["train_step"],
+        eval_step=parts["eval_step"],
+        state=state,
+        start=start,
+        ckpt=ckpt,
+        metrics=metrics,
+        meta=meta,
+        trace=trace,
+        flops_per_token=training_flops_per_token(cfg.model),
+        peak=cfg.train.peak_flops or measure_matmul_flops(mesh),
+        no_bar=args.no_progress,
+    )
+    announce(t, args.config, train_tokens, [*cfg.notices, *notes])
+    return t
+
+
+def replication_notice(fallbacks: list[str], n: int, show: int = 4) -> str:
+    more = f"; and {len(fallbacks) - show} more" if len(fallbacks) > show else ""
+    return (
+        f"note: {len(fallbacks)} parameters are replicated, not sharded: their {FSDP} axis does "
+        f"not divide by {FSDP}={n} (Muon orthogonalises each whole on every device): "
+        + "; ".join(fallbacks[:show])
+        + more
+    )
+
+
+def announce(t: Trainer, name: str, train_tokens: int, notes: list[str]) -> None:
+    from laplace_jax.accounting import parameter_counts
+
+    m, (B, A, M) = t.cfg.model, t.layout
+    for line in notes:
+        t.say(line)
+    t.say(
+        f"model {name}: {m.d_model}d x {m.n_layers}L"
+        + (", softmax attention (baseline)" if m.token_mixer == "attention" else "")
+        + ", "
+        f"{parameter_counts(m)['total_params'] / 1e6:.1f}M params; "
+        f"mesh {cli.mesh_text(t.mesh)} ({jax.default_backend()}); "
+        f"batch {B} x {m.seq_len} tokens (accum {A} x micro {M}); "
+        f"{train_tokens:,} training tokens; matmul peak {t.peak / 1e9:.1f} GFLOP/s"
+    )
