@@ -1,0 +1,3 @@
+from bench.device.run import main
+
+raise SystemExit(main())
