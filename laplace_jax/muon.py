@@ -32,7 +32,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
-from laplace_jax.muon_tiles import TilePool, ns_grouped, orthogonalize_sharded, plan_tiles
+from laplace_jax.muon_tiles import (
+    TilePool,
+    ns_grouped,
+    orthogonalize_sharded,
+    plan_tiles,
+    rows_split,
+)
 from laplace_jax.newton_schulz import NS_DTYPES
 from laplace_jax.sharding import FSDP
 
@@ -92,7 +98,7 @@ class MuonPlan:
     @property
     def sharded(self) -> frozenset[str]:
         """The paths whose rows are split over `axis`."""
-        return frozenset(p for p, spec in self.specs.items() if spec and spec[0] == self.axis)
+        return frozenset(p for p, spec in self.specs.items() if rows_split(spec, self.axis))
 
     @property
     def n(self) -> int:

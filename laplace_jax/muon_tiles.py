@@ -254,6 +254,11 @@ def _a2a_pool(pool: TilePool, local: dict[str, jax.Array], axis: str, steps, dty
     return out
 
 
+def rows_split(spec: PartitionSpec, axis: str) -> bool:
+    """Whether a matrix placed as `spec` has its rows split over mesh axis `axis`."""
+    return bool(spec) and spec[0] == axis
+
+
 def orthogonalize_sharded(
     grads: dict[str, jax.Array],
     *,
@@ -274,7 +279,7 @@ def orthogonalize_sharded(
     """
     paths = sorted(grads)
     spec = {p: specs.get(p, PartitionSpec()) for p in paths}
-    sharded = {p for p in paths if spec[p] and spec[p][0] == axis}
+    sharded = {p for p in paths if rows_split(spec[p], axis)}
     if mode == "a2a":
         pools, rest = plan_tiles(
             {p: tuple(grads[p].shape) for p in paths if p in sharded}, mesh.shape[axis]

@@ -507,12 +507,12 @@ class CheckpointReader:
         saved = self._read(step, "its parameter metadata", lambda: self._saved_tree(step))
         if saved is None:
             raise ReadError(f"checkpoint {where} is corrupt: it holds no parameters")
-        if target is None:
+        to_host = target is None
+        if to_host:
             host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
             target = jax.tree.map(
                 lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=host), saved
             )
-            to_host = True
         else:
             problems = layout_diff(saved, target, "params")
             if problems:
@@ -520,7 +520,6 @@ class CheckpointReader:
                     f"checkpoint {where} holds other parameters than its model config builds:\n  "
                     + "\n  ".join(problems[:12])
                 )
-            to_host = False
         args = ocp.args.Composite(params=ocp.args.StandardRestore(target))
         restore = lambda: self.manager.restore(step, args=args)  # noqa: E731
         restored = self._read(step, "its parameters", restore)
