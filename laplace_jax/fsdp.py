@@ -24,21 +24,31 @@ and the loss is laplace_jax/loss.py's; only where the weights come from differs.
 travel in the compute dtype is the `gather_in_compute_dtype` column of
 laplace_spec/param_groups.py. `tests/test_fsdp.py` checks loss and gradients against
 `jax.value_and_grad` of the plain model.
+
+Long sequences (docs/design.md s11): on a mesh with a `context` axis of size S, inputs, targets
+and document starts are cut from the token batch on the whole sequence, before `shard_map`, and
+each device of a context group gets one contiguous slice of them (the rules table's `length`);
+so the target of a slice's last token is the next slice's first token, and a document starting
+at a slice's first token is a reset there. The decoder layers are `DecoderLayer`s with
+`context_axis="context"` (laplace_jax/context_parallel.py: one exchange per layer for the GLA, a
+ppermute for the conv). Parameters are split over `fsdp x context`, so the gathers and the
+gradients' reduce-scatter run over both axes, and a slice's gradient is summed with the other
+slices' there. The mean is over every scored target of the micro-batch, all slices together.
+`tests/test_context_parallel.py` checks loss and gradients against the plain model.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from flax import traverse_util
 from jax.sharding import Mesh, PartitionSpec
 
-from laplace_jax.loss import next_token_losses
-from laplace_jax.model import DecoderLayer, LaplaceLM
-from laplace_jax.sharding import FSDP
+from laplace_jax.loss import token_losses
+from laplace_jax.model import DecoderLayer, LaplaceLM, reset_after_eot
+from laplace_jax.sharding import CONTEXT, logical_to_spec
 from laplace_spec.param_groups import param_group
 
 f32 = jnp.float32
@@ -56,24 +66,26 @@ REMAT_POLICIES = {
 TOP_LEVEL = ("embed/embedding", "ln_f/scale", "lm_head/kernel")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def gather_weight(shard, axis: int | None, dtype, mesh_axes: tuple[str, ...]):
-    """This device's shard -> the whole weight in `dtype` (all_gather over fsdp along `axis`;
-    `axis` None: a replicated parameter, only cast). Its gradient is the fp32 sum over all
-    devices, scattered back to the shard."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def gather_weight(shard, axis: int | None, over, dtype, mesh_axes: tuple[str, ...]):
+    """This device's shard -> the whole weight in `dtype` (all_gather over the mesh axes `over`,
+    e.g. `fsdp` or `("fsdp", "context")`, along dimension `axis`; `axis` None: a replicated
+    parameter, only cast). Its gradient is the fp32 sum over all devices, scattered back to the
+    shard."""
     w = shard.astype(dtype)
-    return w if axis is None else jax.lax.all_gather(w, FSDP, axis=axis, tiled=True)
+    return w if axis is None else jax.lax.all_gather(w, over, axis=axis, tiled=True)
 
 
-def _gather_fwd(shard, axis, dtype, mesh_axes):
-    return gather_weight(shard, axis, dtype, mesh_axes), None
+def _gather_fwd(shard, axis, over, dtype, mesh_axes):
+    return gather_weight(shard, axis, over, dtype, mesh_axes), None
 
 
-def _gather_bwd(axis, dtype, mesh_axes, _, ct):
+def _gather_bwd(axis, over, dtype, mesh_axes, _, ct):
     ct = ct.astype(f32)  # reduce in fp32 whatever the compute dtype
-    others = tuple(a for a in mesh_axes if a != FSDP or axis is None)
-    if axis is not None:  # [D, F] -> this device's [D/n, F] of the sum over the fsdp group
-        ct = jax.lax.psum_scatter(ct, FSDP, scatter_dimension=axis, tiled=True)
+    split = () if axis is None else ((over,) if isinstance(over, str) else tuple(over))
+    others = tuple(a for a in mesh_axes if a not in split)
+    if axis is not None:  # [D, F] -> this device's [D/n, F] of the sum over its gather group
+        ct = jax.lax.psum_scatter(ct, over, scatter_dimension=axis, tiled=True)
     if others:  # replicas of this shard (data axis; all axes for a replicated parameter)
         ct = jax.lax.psum(ct, others)
     return (ct,)
@@ -82,31 +94,47 @@ def _gather_bwd(axis, dtype, mesh_axes, _, ct):
 gather_weight.defvjp(_gather_fwd, _gather_bwd)
 
 
-def fsdp_axis(spec: PartitionSpec) -> int | None:
-    """The dimension a parameter's PartitionSpec splits over `fsdp` (None: replicated)."""
+def split_dim(spec: PartitionSpec) -> tuple[int | None, str | tuple[str, ...] | None]:
+    """(the dimension a parameter's PartitionSpec splits, the mesh axes it is split over), or
+    (None, None) for a replicated parameter."""
     for i, entry in enumerate(spec):
-        if entry == FSDP or (isinstance(entry, tuple) and FSDP in entry):
-            return i
-    return None
+        if entry is not None:
+            return i, entry
+    return None, None
 
 
-def make_loss_and_grad(
+def _check_slices(cfg, T: int, context: int) -> None:
+    if T % context:
+        raise ValueError(
+            f"a sequence of {T} positions cannot be cut into context={context} equal slices: "
+            "seq_len must be a multiple of the context axis"
+        )
+    if T // context < cfg.conv_width:
+        raise ValueError(
+            f"slices of {T // context} tokens (seq_len {T} over context={context}) are shorter "
+            f"than the conv window ({cfg.conv_width}): use fewer context devices"
+        )
+
+
+def make_sharded_loss(
     model: LaplaceLM,
     mesh: Mesh,
     param_specs,
-    batch_spec: PartitionSpec,
     remat: str = "none",
     eot_id: int | None = None,
+    grad: bool = True,
 ):
     """f(params, tokens [M, T + 1], mask=None) -> (mean next-token loss, gradients sharded like
-    params). With `mask` [M, T] bool the mean is over the masked targets only.
+    params); with `grad=False` the loss only (evaluation: the same sharded forward). With `mask`
+    [M, T] bool the mean is over the masked targets only.
 
     `eot_id`: packed documents end with this token; every layer resets its GLA state and conv
-    window at the token after each one (reset [b, T] computed on device from the inputs by
-    `reset_after_eot`), so no document sees the one before it. None: no resets.
+    window at the token after each one (`reset_after_eot` of the whole sequence), so no document
+    sees the one before it. None: no resets.
 
-    `param_specs`: the PartitionSpec of every parameter (laplace_jax.sharding.param_specs);
-    `batch_spec`: that of the token batch (its sequences split over the devices).
+    `param_specs`: the PartitionSpec of every parameter (laplace_jax.sharding.param_specs). The
+    sequences are split over the rules table's `batch` axes and, with a `context` axis, their
+    positions over `length` (module docstring).
     """
     if remat not in REMAT_POLICIES:
         raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
@@ -114,12 +142,18 @@ def make_loss_and_grad(
     dtype = jnp.dtype(cfg.compute_dtype)
     mesh_axes = tuple(mesh.axis_names)
     L = cfg.n_layers
-
+    context = mesh.shape.get(CONTEXT, 1)
+    if context > 1 and cfg.token_mixer == "attention":
+        raise ValueError(
+            "token_mixer='attention' (the retrieval baseline) has no context-parallel form: "
+            "train it without a context axis"
+        )
+    slice_spec = logical_to_spec(("batch", "length"), None, mesh)  # [M, T] inputs, targets
     flat_specs = traverse_util.flatten_dict(param_specs, sep="/")
 
-    def gather_args(path):  # static (axis, dtype, mesh axes) of the parameter at `path`
+    def gather_args(path):  # static (axis, over, dtype, mesh axes) of the parameter at `path`
         cast = param_group(path).gather_in_compute_dtype  # laplace_spec/param_groups.py
-        return fsdp_axis(flat_specs[path]), dtype if cast else f32, mesh_axes
+        return *split_dim(flat_specs[path]), dtype if cast else f32, mesh_axes
 
     layer_args = {  # "qkvg/kernel" -> static gather arguments (the same for every layer)
         p.split("/", 1)[1]: gather_args(p) for p in flat_specs if p.startswith("layer_0/")
@@ -128,7 +162,8 @@ def make_loss_and_grad(
     def gather(params, path):
         return gather_weight(params[path], *gather_args(path))
 
-    decoder_layer = DecoderLayer(cfg, model.unroll)  # built here, outside the model's apply
+    # built here, outside the model's apply; on a context axis it holds one slice of each sequence
+    decoder_layer = DecoderLayer(cfg, model.unroll, CONTEXT if context > 1 else None)
 
     def layer(x, stacked_shards, reset=None):  # x: [b, T, D]; one layer's shards; reset [b, T]
         weights = {p: gather_weight(stacked_shards[p], *layer_args[p]) for p in layer_args}
@@ -145,8 +180,8 @@ def make_loss_and_grad(
     if REMAT_POLICIES[remat] is not None:
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
 
-    def local_loss(shards, tokens, n_global, mask=None):
-        # shards: this device's {path: shard}; tokens: its sequences [b, T + 1]; mask: [b, T]
+    def local_loss(shards, n_global, inputs, targets, reset=None, mask=None):
+        # shards: this device's {path: shard}; inputs, targets, reset, mask: its [b, T / S]
         stacked = {  # [L, ...] per layer parameter: local shards only, no communication
             p: jnp.stack([shards[f"layer_{i}/{p}"] for i in range(L)]) for p in layer_args
         }
@@ -157,38 +192,61 @@ def make_loss_and_grad(
 
         top = {p: gather(shards, p) for p in TOP_LEVEL}  # embedding, final norm, head
         top = traverse_util.unflatten_dict(top, sep="/")
-        ce = next_token_losses(model, top, tokens, eot_id, layers)  # [b, T] fp32
+        ce = token_losses(model, top, inputs, targets, reset, layers)  # [b, T / S] fp32
         if mask is not None:  # only the scored targets count
             ce = jnp.where(mask, ce, 0.0)
         return ce.sum() / n_global  # this device's share of the global mean
 
-    batch_axes = batch_spec[0] if isinstance(batch_spec[0], tuple) else (batch_spec[0],)
-    split_axes = tuple(a for a in batch_axes if a is not None)  # the batch's mesh axes
-    batch_shards = math.prod(mesh.shape[a] for a in split_axes)
+    split_axes = tuple(a for a in mesh_axes if a in jax.tree.leaves(tuple(slice_spec)))
 
-    def body(shards, tokens, mask=None):  # per device: its shards, sequences [b, T + 1], mask
-        if mask is None:  # every target of the whole micro-batch counts
-            n_targets = batch_shards * tokens.shape[0] * (tokens.shape[1] - 1)
-        else:  # the scored targets of the whole micro-batch (none: loss 0, not NaN)
-            n_targets = mask.sum(dtype=f32)
-            n_targets = jax.lax.psum(n_targets, split_axes) if split_axes else n_targets
-            n_targets = jnp.maximum(n_targets, 1.0)
-        loss, grads = jax.value_and_grad(local_loss)(shards, tokens, n_targets, mask)
+    def body(shards, n_targets, inputs, targets, reset, mask):  # per device: shards and slices
+        if mask is not None:  # the scored targets of the whole micro-batch (none: loss 0)
+            n_targets = jax.lax.psum(mask.sum(dtype=f32), split_axes) if split_axes else mask.sum()
+            n_targets = jnp.maximum(n_targets.astype(f32), 1.0)
+        args = (shards, n_targets, inputs, targets, reset, mask)
+        if not grad:
+            return jax.lax.psum(local_loss(*args), mesh_axes)
+        loss, grads = jax.value_and_grad(local_loss)(*args)
         return jax.lax.psum(loss, mesh_axes), grads
 
-    def loss_and_grad(params, tokens, mask=None):
+    def sharded_loss(params, tokens, mask=None):
         """`mask` [M, T] bool (optional): the loss is sum(ce * mask) / sum(mask) over the whole
         micro-batch (e.g. the answer positions of train/tasks.py); None: every target counts."""
-        inputs = (traverse_util.flatten_dict(params, sep="/"), tokens)
-        inputs += () if mask is None else (mask,)
+        _check_slices(cfg, tokens.shape[1] - 1, context)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [M, T], cut from whole sequences
+        reset = None if eot_id is None else reset_after_eot(inputs, eot_id)  # [M, T] bool
+        n_targets = jnp.asarray(inputs.size, f32)  # every target of the micro-batch
+        slices = (inputs, targets, reset, mask)
         fn = jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(flat_specs,) + (batch_spec,) * (len(inputs) - 1),
-            out_specs=(PartitionSpec(), flat_specs),
+            in_specs=(flat_specs, PartitionSpec())
+            + tuple(None if a is None else slice_spec for a in slices),
+            out_specs=(PartitionSpec(), flat_specs) if grad else PartitionSpec(),
             check_vma=False,
         )
-        loss, grads = fn(*inputs)
+        out = fn(traverse_util.flatten_dict(params, sep="/"), n_targets, *slices)
+        if not grad:
+            return out
+        loss, grads = out
         return loss, traverse_util.unflatten_dict(grads, sep="/")
 
-    return loss_and_grad
+    return sharded_loss
+
+
+def make_loss_and_grad(
+    model: LaplaceLM,
+    mesh: Mesh,
+    param_specs,
+    remat: str = "none",
+    eot_id: int | None = None,
+):
+    """f(params, tokens [M, T + 1], mask=None) -> (mean next-token loss, gradients sharded like
+    params): `make_sharded_loss` with its gradient."""
+    return make_sharded_loss(model, mesh, param_specs, remat, eot_id, grad=True)
+
+
+def make_loss(model: LaplaceLM, mesh: Mesh, param_specs, eot_id: int | None = None):
+    """f(params, tokens [M, T + 1], mask=None) -> the mean next-token loss, the training step's
+    sharded forward (weights gathered layer by layer; a context axis splits each sequence)."""
+    return make_sharded_loss(model, mesh, param_specs, "none", eot_id, grad=False)

@@ -3,25 +3,78 @@
     tokens [B, T + 1]: inputs tokens[:, :-1], targets tokens[:, 1:]
     ce[b, t] = -log softmax(logits[b, t])[targets[b, t]]                       [B, T], fp32
 
+The head and the cross-entropy are applied `block_tokens` tokens at a time (a `lax.map` over
+blocks of the flattened [B T] tokens, each block a `jax.checkpoint`): at most one block's
+[block_tokens, V] fp32 logits are live, in the forward and in the backward, which recomputes
+them. At 16,384 tokens on a device and the 3B vocabulary, whole logits would be 3.3 GB (and as
+much for their gradient); a block of 2,048 is 412 MB. The result is the same cross-entropy.
+
 Evaluation, the FSDP training step (laplace_jax/fsdp.py, which adds its target mask and the
-share of the global mean) and the tests all take it from here.
+share of the global mean, and on a context axis hands each device its slice of inputs and
+targets) and the tests all take it from here.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from laplace_jax.model import LaplaceLM, reset_after_eot
 
+# Tokens whose logits are computed at once ([LOSS_BLOCK_TOKENS, V] fp32 is the largest).
+LOSS_BLOCK_TOKENS = 2048
+
+
+def blocked_cross_entropy(logits_fn, params, x, targets, block_tokens: int = LOSS_BLOCK_TOKENS):
+    """ce [B, T] fp32 of logits_fn(params, x) [B, T, V] against targets [B, T], computed a block
+    of `block_tokens` tokens at a time (x: [B, T, D], what the head reads)."""
+    B, T, D = x.shape
+    n = B * T
+    if n <= block_tokens:  # one block: the plain computation
+        return optax.softmax_cross_entropy_with_integer_labels(logits_fn(params, x), targets)
+    blocks = -(-n // block_tokens)
+    pad = blocks * block_tokens - n  # the last block is padded; its padding is cut off below
+    xb = jnp.pad(x.reshape(n, D), ((0, pad), (0, 0))).reshape(blocks, block_tokens, D)
+    tb = jnp.pad(targets.reshape(n), (0, pad)).reshape(blocks, block_tokens)
+
+    @jax.checkpoint  # the backward recomputes the block's logits instead of keeping them
+    def block_ce(block):  # x [block_tokens, D], targets [block_tokens] -> ce [block_tokens]
+        x_b, t_b = block
+        return optax.softmax_cross_entropy_with_integer_labels(logits_fn(params, x_b), t_b)
+
+    ce = jax.lax.map(block_ce, (xb, tb))  # [blocks, block_tokens]
+    return ce.reshape(blocks * block_tokens)[:n].reshape(B, T)
+
+
+def token_losses(
+    model: LaplaceLM,
+    params,
+    inputs,
+    targets,
+    reset=None,
+    layers=None,
+    block_tokens: int = LOSS_BLOCK_TOKENS,
+):
+    """ce [B, T] of the next-token `targets` [B, T] of `inputs` [B, T]. `reset` [B, T] bool or
+    None: document starts (`reset_after_eot`). `layers`: as in `LaplaceLM.__call__` (FSDP's
+    gathered decoder layers; `params` then holds only the top-level weights)."""
+    x = model.apply(
+        {"params": params}, inputs, reset=reset, layers=layers, method=LaplaceLM.hidden
+    )  # [B, T, D]
+
+    def logits(p, x_block):  # [..., D] -> [..., V] fp32
+        return model.apply({"params": p}, x_block, method=LaplaceLM.logits)
+
+    return blocked_cross_entropy(logits, params, x, targets, block_tokens)
+
 
 def next_token_losses(model: LaplaceLM, params, tokens, eot_id: int | None = None, layers=None):
     """ce [B, T] of tokens [B, T + 1]. `eot_id`: packed documents, the model resets its state at
-    the token after each end-of-text. `layers`: as in `LaplaceLM.__call__` (FSDP's gathered
-    decoder layers; `params` then holds only the top-level weights)."""
+    the token after each end-of-text. `layers`: as in `token_losses`."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [B, T]
     reset = None if eot_id is None else reset_after_eot(inputs, eot_id)  # [B, T] bool
-    logits, _ = model.apply({"params": params}, inputs, reset=reset, layers=layers)  # [B, T, V]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return token_losses(model, params, inputs, targets, reset, layers)
 
 
 def next_token_loss(model: LaplaceLM, params, tokens, eot_id: int | None = None):

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laplace_jax.attention import causal_attention
+from laplace_jax.context_parallel import gla_context_parallel, window_from_previous_slice
 from laplace_jax.gla import gla_chunked, gla_step
 from laplace_spec.config import LaplaceConfig
 
@@ -94,7 +95,7 @@ class CausalConv(nn.Module):
         B, T = h.shape[:2]
         if reset is None:
             taps = [seq[:, 1 + j : 1 + j + T] for j in range(W)]
-            new_window = seq[:, -W:].astype(f32)  # the last W inputs
+            new_window = trailing_window(seq, None, W)
         else:  # segment ids of seq (the old window is segment 0); taps of other segments are 0
             seg = jnp.cumsum(reset, axis=1, dtype=jnp.int32)  # [B, T]
             seg = jnp.concatenate([jnp.zeros((B, W), jnp.int32), seg], axis=1)  # [B, W + T]
@@ -105,13 +106,22 @@ class CausalConv(nn.Module):
                 )
                 for j in range(W)
             ]
-            last = (seg[:, -W:] == seg[:, -1:])[..., None]  # [B, W, 1], the last document's
-            new_window = jnp.where(last, seq[:, -W:], 0).astype(f32)
+            new_window = trailing_window(seq, seg, W)
         # output t (0-based among the new tokens) sees seq[t + 1 .. t + W]
         u = b.astype(self.dtype) + sum(
             w[:, j].astype(self.dtype) * taps[j] for j in range(W)
         )  # [B, T, D]
         return nn.silu(u), new_window
+
+
+def trailing_window(seq, seg, width: int):
+    """The conv window after `seq` [B, N, D] (N >= width): its last `width` inputs in fp32, those
+    before the last document start zeroed; `seg` [B, N] their segment ids (None: one document)."""
+    window = seq[:, -width:].astype(f32)
+    if seg is None:
+        return window
+    last = (seg[:, -width:] == seg[:, -1:])[..., None]  # [B, W, 1], the last document's
+    return jnp.where(last, window, 0.0)
 
 
 class HeadRMSNorm(nn.Module):
@@ -134,6 +144,11 @@ class DecoderLayer(nn.Module):
 
     config: LaplaceConfig
     unroll: bool = False  # static unroll of the chunk scan (Neuron)
+    # Inside `shard_map`: the mesh axis whose devices hold consecutive slices of each sequence
+    # (laplace_jax/context_parallel.py); the layer then starts from empty states, and the GLA
+    # and the conv take what came before the slice from the devices before it. None: whole
+    # sequences.
+    context_axis: str | None = None
 
     @nn.compact
     def __call__(self, x, state, decode: bool = False, reset=None):
@@ -144,10 +159,17 @@ class DecoderLayer(nn.Module):
         H, dk, dv, F = cfg.n_heads, cfg.d_k, cfg.d_v, cfg.ffn_dim
         dtype = jnp.dtype(cfg.compute_dtype)
         out_scale = 1.0 / math.sqrt(2 * cfg.n_layers)  # residual projections start small
+        sliced = self.context_axis is not None and not decode
 
         # 1-2. h = LayerNorm_1(x); u = SiLU(causal depth-wise conv(h))
         h = LayerNorm(cfg.norm_eps, name="ln_1")(x)
-        u, conv_window = CausalConv(cfg.conv_width, dtype, name="conv")(h, state["conv"], reset)
+        window = state["conv"]  # [B, W, D]
+        if sliced:  # the previous slice's last W inputs (zeros before the first slice)
+            seg = None if reset is None else jnp.cumsum(reset, axis=1, dtype=jnp.int32)
+            window = window_from_previous_slice(
+                trailing_window(h, seg, cfg.conv_width), self.context_axis
+            )
+        u, conv_window = CausalConv(cfg.conv_width, dtype, name="conv")(h, window, reset)
 
         # 3. [q, k, v, g] = u W_qkvg^T
         qkvg = Dense(cfg.qkvg_dim, ("embed", "qkvg"), D**-0.5, dtype, name="qkvg")(u)
@@ -173,6 +195,18 @@ class DecoderLayer(nn.Module):
                 q[:, 0], k[:, 0], v[:, 0], log_decay, state["gla"], scale=cfg.qk_scale, reset=r
             )
             o = o[:, None]  # [B, 1, H, dv]
+        elif sliced:  # this slice, corrected by the state the slices before it leave
+            o, gla_state = gla_context_parallel(
+                q,
+                k,
+                v,
+                log_decay,
+                axis=self.context_axis,
+                chunk_size=cfg.chunk_size,
+                scale=cfg.qk_scale,
+                unroll=self.unroll,
+                reset=reset,
+            )  # [B, T, H, dv]
         else:
             o, gla_state = gla_chunked(
                 q,
@@ -228,6 +262,11 @@ class LaplaceLM(nn.Module):
         )
 
     def _run(self, tokens, state, decode, reset=None, layers=None):
+        x, new_state = self._decoder(tokens, state, decode, reset, layers)
+        return self.logits(x), new_state
+
+    def _decoder(self, tokens, state, decode, reset=None, layers=None):
+        """tokens [B, T] -> (x [B, T, D] after the decoder layers, the new state or None)."""
         cfg = self.config
         if cfg.token_mixer == "attention" and state is not None:
             raise ValueError(
@@ -243,8 +282,16 @@ class LaplaceLM(nn.Module):
             kw = {} if reset is None else {"reset": reset}
             for i, layer in enumerate(self.layers):
                 x, new_state[f"layer_{i}"] = layer(x, state[f"layer_{i}"], decode, **kw)
-        logits = self.lm_head(self.ln_f(x)).astype(f32)  # [B, T, V]
-        return logits, new_state
+        return x, new_state
+
+    def logits(self, x):
+        """The final norm and head: x [..., D] -> logits [..., V] fp32."""
+        return self.lm_head(self.ln_f(x)).astype(f32)
+
+    def hidden(self, tokens, reset=None, layers=None):
+        """What `__call__` feeds the head: tokens [B, T] -> x [B, T, D] (`logits(x)` are its
+        logits). The loss applies the head a block of tokens at a time (laplace_jax/loss.py)."""
+        return self._decoder(tokens, None, False, reset, layers)[0]
 
     def __call__(self, tokens, state=None, reset=None, layers=None):
         """Full sequence or prefill from `state`. tokens: [B, T] -> ([B, T, V], state).

@@ -40,7 +40,7 @@ from laplace_jax.muon_tiles import (
     rows_split,
 )
 from laplace_jax.newton_schulz import NS_DTYPES
-from laplace_jax.sharding import FSDP
+from laplace_jax.sharding import FSDP, axis_size
 
 f32 = jnp.float32
 
@@ -69,7 +69,9 @@ class MuonPlan:
 
     `shapes`: path -> stored kernel shape of every Muon matrix; `mesh` and `specs` (path -> the
     matrix's PartitionSpec, as the rules table of laplace_jax/sharding.py placed it: rows split
-    over `axis`, or whole) are needed in `gather` and `a2a` modes.
+    over `axis`, or whole) are needed in `gather` and `a2a` modes. `axis` is one mesh axis or
+    a tuple of them (`("fsdp", "context")` on a mesh with a context axis: the all_to_all then
+    runs over both, their devices numbered fsdp-major as the rows are split).
     """
 
     shapes: dict[str, tuple[int, int]]
@@ -78,7 +80,7 @@ class MuonPlan:
     ns_dtype: str = "bfloat16"
     shape_factor: str = "adamw_rms"
     mesh: Mesh | None = None
-    axis: str = FSDP
+    axis: str | tuple[str, ...] = FSDP
     specs: dict[str, PartitionSpec] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -102,7 +104,7 @@ class MuonPlan:
 
     @property
     def n(self) -> int:
-        return 1 if self.mesh is None else self.mesh.shape[self.axis]
+        return 1 if self.mesh is None else axis_size(self.mesh, self.axis)
 
     @property
     def dtype(self):

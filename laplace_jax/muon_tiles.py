@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from laplace_jax.newton_schulz import newton_schulz, newton_schulz_tiles
+from laplace_jax.sharding import axis_size
 
 # ---- the a2a layout: whole matrices packed onto devices as column tiles ---------------------
 
@@ -254,8 +255,9 @@ def _a2a_pool(pool: TilePool, local: dict[str, jax.Array], axis: str, steps, dty
     return out
 
 
-def rows_split(spec: PartitionSpec, axis: str) -> bool:
-    """Whether a matrix placed as `spec` has its rows split over mesh axis `axis`."""
+def rows_split(spec: PartitionSpec, axis) -> bool:
+    """Whether a matrix placed as `spec` has its rows split over mesh axis `axis` (one axis, or
+    a tuple of them)."""
     return bool(spec) and spec[0] == axis
 
 
@@ -282,7 +284,7 @@ def orthogonalize_sharded(
     sharded = {p for p in paths if rows_split(spec[p], axis)}
     if mode == "a2a":
         pools, rest = plan_tiles(
-            {p: tuple(grads[p].shape) for p in paths if p in sharded}, mesh.shape[axis]
+            {p: tuple(grads[p].shape) for p in paths if p in sharded}, axis_size(mesh, axis)
         )
     else:
         pools, rest = [], [p for p in paths if p in sharded]

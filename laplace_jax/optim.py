@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from laplace_jax import muon as muon_lib
 from laplace_jax.newton_schulz import NS_DTYPES
-from laplace_jax.sharding import FSDP, replicated
+from laplace_jax.sharding import FSDP, param_axes, replicated
 from laplace_spec.param_groups import is_muon_path, param_group
 
 
@@ -163,7 +163,7 @@ def muon_plan(opt_cfg: OptimizerConfig, params_like, mesh: Mesh | None = None):
         ns_dtype=opt_cfg.ns_dtype,
         shape_factor=opt_cfg.shape_factor,
         mesh=mesh,
-        axis=FSDP,
+        axis=FSDP if mesh is None else param_axes(mesh),
         specs=specs,
     )
 
@@ -173,7 +173,8 @@ def make_optimizer(
 ) -> optax.GradientTransformation:
     """Muon (by path) + AdamW, one schedule. `params_like`: params or their abstract shapes.
 
-    With a mesh, `gather`/`a2a` run inside `shard_map` over the mesh axis `fsdp`, and each Muon
+    With a mesh, `gather`/`a2a` run inside `shard_map` over the mesh axes the parameters are
+    split over (`fsdp`, or `fsdp x context`: `laplace_jax.sharding.param_axes`), and each Muon
     matrix is split as its leaf's NamedSharding says (`laplace_jax.sharding.param_shardings`,
     the rules table; abstract shapes carry it through `abstract_with_shardings`). Without a
     mesh all modes are `single`.

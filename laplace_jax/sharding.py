@@ -1,7 +1,7 @@
 """Sharding as a rules table: logical axis names -> mesh axes. Every sharding comes from here.
 
 The model tags every parameter with logical axes (`("embed", "mlp")`), and the trainer names
-the axes of its batches (`("accum", "batch", "length")`); this module alone decides where they
+the axes of its batches (`("accum", "batch", "window")`); this module alone decides where they
 go. Changing the parallelism changes `LOGICAL_RULES`, never the model or the trainer.
 
 FSDP over mesh axis `fsdp`: the first axis of every matrix is split over the devices (so each
@@ -11,6 +11,15 @@ instance a 2-D mesh `data x fsdp` adds data parallelism: parameters stay FSDP-sh
 batch is split over both axes. 1-D parameters stay replicated. A matrix axis that does not
 divide by the mesh size cannot be split and is replicated instead: `replicated_fallbacks` lists
 those, and the trainer prints them.
+
+Long sequences (docs/design.md s11): a third mesh axis `context` of size S splits every sequence
+into S contiguous slices, one per device of a context group (the logical axis `length`, the T
+positions the model reads and scores). The batch is then split over `data x fsdp` only, while
+parameters and optimizer state are split over `fsdp x context`: every device of an instance
+still holds 1/(F S) of them, and the FSDP gathers and Muon's all_to_all run over both axes.
+Stored token batches keep their T + 1 tokens (`window`: inputs and targets) whole on every
+device of a context group; the step cuts inputs and targets from them and hands each device its
+slice.
 """
 
 from __future__ import annotations
@@ -26,19 +35,22 @@ from laplace_spec.config import LaplaceConfig
 
 FSDP = "fsdp"
 DATA = "data"
+CONTEXT = "context"
 
 # (logical axis, mesh axes). A logical axis takes the mesh axes of its rule that the mesh has,
 # that no earlier dimension of the same array uses, and whose sizes together divide it.
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # batches
-    ("batch", (DATA, FSDP)),  # the sequences of a (micro-)batch: over every device
+    ("batch", (DATA, FSDP)),  # the sequences of a (micro-)batch: over every context group
     ("accum", None),  # gradient-accumulation steps of a global batch
-    ("length", None),  # the tokens of a sequence
-    # parameters: the first axis of every matrix
-    ("vocab", FSDP),
-    ("embed", FSDP),
-    ("attn", FSDP),
-    ("mlp", FSDP),
+    ("window", None),  # a token batch's T + 1 tokens (inputs and targets): whole
+    ("length", CONTEXT),  # the T positions the model reads and scores: S contiguous slices
+    ("devices", (DATA, FSDP, CONTEXT)),  # one entry per device (the matmul probe)
+    # parameters: the first axis of every matrix, over every device of an instance
+    ("vocab", (FSDP, CONTEXT)),
+    ("embed", (FSDP, CONTEXT)),
+    ("attn", (FSDP, CONTEXT)),
+    ("mlp", (FSDP, CONTEXT)),
     # parameters: everything else stays whole
     ("qkvg", None),
     ("heads", None),
@@ -50,18 +62,31 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def make_mesh(n_devices: int | None = None, devices=None, data: int = 1) -> Mesh:
-    """A mesh over the first `n_devices` devices (default: all): 1-D (`fsdp`), or with `data` > 1
-    2-D (`data`, `fsdp`) of data x n_devices / data (FSDP inside each row of devices)."""
+def make_mesh(n_devices: int | None = None, devices=None, data: int = 1, context: int = 1) -> Mesh:
+    """A mesh over the first `n_devices` devices (default: all): `fsdp`, preceded by `data` when
+    data > 1 and followed by `context` when context > 1 (data x fsdp x context, with
+    fsdp = n_devices / (data context); a context group is adjacent devices)."""
     devices = jax.devices() if devices is None else devices
     n = len(devices) if n_devices is None else n_devices
     if not 1 <= n <= len(devices):
         raise ValueError(f"mesh of {n} devices requested, {len(devices)} available")
-    if data < 1 or n % data:
-        raise ValueError(f"data={data} must divide the {n} devices of the mesh")
-    if data == 1:
-        return Mesh(np.asarray(devices[:n]), (FSDP,))
-    return Mesh(np.asarray(devices[:n]).reshape(data, n // data), (DATA, FSDP))
+    if data < 1 or context < 1 or n % (data * context):
+        raise ValueError(f"data={data} x context={context} must divide the {n} devices of the mesh")
+    sizes = {DATA: data, FSDP: n // (data * context), CONTEXT: context}
+    names = tuple(a for a, size in sizes.items() if a == FSDP or size > 1)
+    return Mesh(np.asarray(devices[:n]).reshape([sizes[a] for a in names]), names)
+
+
+def axis_size(mesh: Mesh, axes) -> int:
+    """Devices along a mesh axis or a tuple of them (1 for None or axes the mesh lacks)."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return int(np.prod([mesh.shape.get(a, 1) for a in axes]))
+
+
+def param_axes(mesh: Mesh):
+    """The mesh axes a parameter's split dimension goes over on `mesh` (the rules table's
+    `embed` entry): `fsdp`, or `("fsdp", "context")` with a context axis."""
+    return logical_to_spec(("embed",), None, mesh)[0]
 
 
 def logical_to_spec(
@@ -90,7 +115,7 @@ def logical_to_spec(
 
 
 def logical_sharding(mesh: Mesh, axes: tuple[str, ...], rules=LOGICAL_RULES) -> NamedSharding:
-    """The NamedSharding of an array with these logical axes, e.g. ("batch", "length")."""
+    """The NamedSharding of an array with these logical axes, e.g. ("batch", "window")."""
     return NamedSharding(mesh, logical_to_spec(axes, None, mesh, rules))
 
 

@@ -129,7 +129,7 @@ def test_baseline_fsdp_gradient_equals_the_plain_gradient():
     model = LaplaceLM(BASE)
     loss_of = lambda p, t: next_token_loss(model, p, t)  # noqa: E731
     ref_loss, ref = jax.jit(jax.value_and_grad(loss_of))(params, tokens)
-    fn = make_loss_and_grad(model, mesh, param_specs(BASE, mesh), batch.spec, "layer")
+    fn = make_loss_and_grad(model, mesh, param_specs(BASE, mesh), "layer")
     loss, grads = jax.jit(fn)(params, tokens)
     assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
     rel = jax.tree.map(

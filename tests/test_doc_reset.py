@@ -254,7 +254,7 @@ def test_fsdp_loss_gradients_equal_separate_documents():
         return total / targets.size
 
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(separate))(params, tokens)
-    fn = make_loss_and_grad(model, mesh, param_specs(TINY, mesh), batch.spec, "layer", eot_id=EOT)
+    fn = make_loss_and_grad(model, mesh, param_specs(TINY, mesh), "layer", eot_id=EOT)
     loss, grads = jax.jit(fn)(params, jax.device_put(tokens, batch))
     assert abs(float(loss) - float(ref_loss)) < 1e-6 * abs(float(ref_loss))
     # fp32 at initialisation: the gradients are sums of 512 tokens' terms that mostly cancel, so

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from laplace_jax.fsdp import REMAT_POLICIES, fsdp_axis, make_loss_and_grad
+from laplace_jax.fsdp import REMAT_POLICIES, make_loss_and_grad, split_dim
 from laplace_jax.loss import next_token_loss
 from laplace_jax.model import LaplaceLM, init_params
 from laplace_jax.sharding import (
@@ -54,7 +54,7 @@ def test_explicit_fsdp_equals_the_plain_gradient_in_fp32(data, remat):
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p, t: next_token_loss(model, p, t)))(
         params, tokens
     )
-    fn = make_loss_and_grad(model, mesh, param_specs(TINY, mesh), batch.spec, remat)
+    fn = make_loss_and_grad(model, mesh, param_specs(TINY, mesh), remat)
     loss, grads = jax.jit(fn)(params, tokens)
     assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
     assert _max_rel(grads, ref_grads) < 1e-5
@@ -71,7 +71,7 @@ def test_bf16_compute_matches_the_plain_bf16_model_and_stays_close_to_fp32():
     the whole gradient's direction (cosine) above 0.99."""
     mesh, batch, params, tokens = _setup(TINY, 1)
     bf16 = TINY.replace(compute_dtype="bfloat16")
-    fn = make_loss_and_grad(LaplaceLM(bf16), mesh, param_specs(bf16, mesh), batch.spec, "layer")
+    fn = make_loss_and_grad(LaplaceLM(bf16), mesh, param_specs(bf16, mesh), "layer")
     loss, grads = jax.jit(fn)(params, tokens)
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
     for cfg, loss_tol in ((bf16, 1e-4), (TINY, 1e-2)):
@@ -87,16 +87,16 @@ def test_bf16_compute_matches_the_plain_bf16_model_and_stays_close_to_fp32():
             assert float(a @ b / (jnp.linalg.norm(a) * jnp.linalg.norm(b))) > 0.99
 
 
-def test_fsdp_axis_reads_the_partition_spec():
+def test_split_dim_reads_the_partition_spec():
     from jax.sharding import PartitionSpec as P
 
-    assert fsdp_axis(P(FSDP, None)) == 0
-    assert fsdp_axis(P(None, FSDP)) == 1
-    assert fsdp_axis(P(None, ("data", FSDP))) == 1
-    assert fsdp_axis(P(None)) is None and fsdp_axis(P()) is None
+    assert split_dim(P(FSDP, None)) == (0, FSDP)
+    assert split_dim(P(None, FSDP)) == (1, FSDP)
+    assert split_dim(P((FSDP, "context"), None)) == (0, (FSDP, "context"))
+    assert split_dim(P(None)) == (None, None) and split_dim(P()) == (None, None)
 
 
 def test_unknown_remat_policy_is_named():
     mesh, batch, _, _ = _setup(TINY, 1)
     with pytest.raises(ValueError, match="remat must be one of"):
-        make_loss_and_grad(LaplaceLM(TINY), mesh, param_specs(TINY, mesh), batch.spec, "all")
+        make_loss_and_grad(LaplaceLM(TINY), mesh, param_specs(TINY, mesh), "all")

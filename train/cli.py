@@ -14,7 +14,7 @@ from laplace_spec.config import ConfigError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from laplace_jax.sharding import DATA, FSDP
+    from laplace_jax.sharding import CONTEXT, DATA, FSDP
 
     ap = argparse.ArgumentParser(
         prog="python -m train.main",
@@ -36,7 +36,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, help="train until this step")
     ap.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
     ap.add_argument(
-        "--mesh", help=f"{FSDP}=N (N devices) or {DATA}=D,{FSDP}=F (default: all, {FSDP})"
+        "--mesh",
+        help=f"{FSDP}=N (N devices), or {DATA}=D,{FSDP}=F,{CONTEXT}=S (D x F x S devices; "
+        f"{DATA} and {CONTEXT} optional): each sequence is split into S slices, one per device "
+        f"of a context group (default: all devices, {FSDP})",
     )
     ap.add_argument("--run-dir", default="runs/default", help="run directory")
     ap.add_argument("--ckpt-dir", help="checkpoint directory (default: RUN_DIR/checkpoints)")
@@ -70,30 +73,33 @@ def resolve_configs(args):
     )
 
 
-def mesh_sizes(spec: str) -> tuple[int, int]:
-    """`--mesh fsdp=F` or `--mesh data=D,fsdp=F` -> (D, F) (D = 1 without `data=`), checked."""
-    from laplace_jax.sharding import DATA, FSDP
+def mesh_sizes(spec: str) -> tuple[int, int, int]:
+    """`--mesh fsdp=F[,data=D][,context=S]` -> (D, F, S) (1 for an axis not named), checked."""
+    from laplace_jax.sharding import CONTEXT, DATA, FSDP
 
     sizes: dict[str, int] = {}
+    usage = f"--mesh expects {FSDP}=F, optionally with {DATA}=D and {CONTEXT}=S"
     for part in spec.split(","):
         key, sep, value = part.strip().partition("=")
-        if key not in (DATA, FSDP) or not sep or not value.isdigit() or key in sizes:
-            raise ConfigError(f"--mesh expects {FSDP}=N or {DATA}=D,{FSDP}=F, got {spec!r}")
+        if key not in (DATA, FSDP, CONTEXT) or not sep or not value.isdigit() or key in sizes:
+            raise ConfigError(f"{usage} (e.g. {DATA}=2,{FSDP}=4,{CONTEXT}=2), got {spec!r}")
+        if int(value) < 1:
+            raise ConfigError(f"--mesh {spec}: {key} must be at least 1")
         sizes[key] = int(value)
     if FSDP not in sizes:
         raise ConfigError(f"--mesh needs {FSDP}=F, got {spec!r}")
-    return sizes.get(DATA, 1), sizes[FSDP]
+    return sizes.get(DATA, 1), sizes[FSDP], sizes.get(CONTEXT, 1)
 
 
 def mesh_from_flag(spec: str | None):
-    """`--mesh fsdp=F` or `--mesh data=D,fsdp=F` (D x F devices); default: every device, FSDP."""
+    """`--mesh fsdp=F[,data=D][,context=S]` (D x F x S devices); default: every device, FSDP."""
     from laplace_jax.sharding import make_mesh
 
     if spec is None:
         return make_mesh()
-    data, fsdp = mesh_sizes(spec)
+    data, fsdp, context = mesh_sizes(spec)
     try:
-        return make_mesh(data * fsdp, data=data)
+        return make_mesh(data * fsdp * context, data=data, context=context)
     except ValueError as e:
         raise ConfigError(f"--mesh {spec}: {e}") from e
 

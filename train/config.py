@@ -202,22 +202,36 @@ def build_optimizer(opt_cfg: optim.OptimizerConfig, params_like, param_shardings
 
 
 def batch_layout(
-    cfg: TrainConfig, seq_len: int, n_devices: int, n_processes: int = 1
+    cfg: TrainConfig, seq_len: int, n_devices: int, n_processes: int = 1, context: int = 1
 ) -> tuple[int, int, int]:
-    """(global sequences B, accumulation steps A, micro-batch M) with B = A * M; checked."""
+    """(global sequences B, accumulation steps A, micro-batch M) with B = A * M; checked. With a
+    context axis of `context` devices, each sequence is split over one context group, so the
+    micro-batch divides over the n_devices / context groups."""
     if cfg.global_batch_tokens % seq_len:
         raise ConfigError(
             f"global_batch_tokens ({cfg.global_batch_tokens}) must be a multiple of seq_len "
             f"({seq_len})"
         )
+    if seq_len % context:
+        raise ConfigError(
+            f"seq_len ({seq_len}) must divide into context={context} equal slices, one per "
+            "device of a context group"
+        )
     B = cfg.global_batch_tokens // seq_len
     M = cfg.micro_batch_size or B
+    groups = n_devices // context
+    where = (
+        f"{n_devices} devices of the mesh"
+        if context == 1
+        else (f"{groups} context groups of the mesh ({n_devices} devices / context={context})")
+    )
     if B % M:
         raise ConfigError(f"micro_batch_size ({M}) must divide the global batch ({B} sequences)")
-    if M % n_devices:
+    if M % groups:
         raise ConfigError(
-            f"the micro-batch ({M} sequences) must divide over the {n_devices} devices of the "
-            f"mesh: set micro_batch_size or global_batch_tokens accordingly"
+            f"the micro-batch ({M} sequences) must divide over the {where}: set "
+            "micro_batch_size or global_batch_tokens accordingly"
+            + ("" if context > 1 else ", or split each sequence with --mesh ...,context=S")
         )
     if M % n_processes:
         raise ConfigError(f"the micro-batch ({M}) must divide over {n_processes} processes")

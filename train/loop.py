@@ -22,7 +22,7 @@ from train.config import RunConfigs
 from train.metrics import Metrics, json_number
 from train.preemption import PREEMPTED_EXIT, PreemptionWatch
 from train.profiling import StepTrace
-from train.step import EVAL_BATCH_AXES, TRAIN_BATCH_AXES
+from train.step import EVAL_BATCH_AXES, TRAIN_BATCH_AXES, TRAIN_MASK_AXES
 
 PEAK_REMEASURE_S = 60.0  # measure the matmul rate (MFU's denominator) again at most this often
 
@@ -95,7 +95,8 @@ def train_loop(t: Trainer, hooks: Hooks, watch: PreemptionWatch) -> int:
             tokens, mask = local
             batch = jax.make_array_from_process_local_data(batch_sharding, tokens, global_shape)
             mask_shape = (*global_shape[:2], global_shape[2] - 1)
-            mask = jax.make_array_from_process_local_data(batch_sharding, mask, mask_shape)
+            mask_sharding = logical_sharding(t.mesh, TRAIN_MASK_AXES)
+            mask = jax.make_array_from_process_local_data(mask_sharding, mask, mask_shape)
             t.state, m = t.train_step(t.state, batch, mask)
         else:
             batch = jax.make_array_from_process_local_data(batch_sharding, local, global_shape)

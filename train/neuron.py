@@ -191,8 +191,8 @@ def train_settings(train_args: list[str], n_devices: int, logical_nc: int) -> li
     ConfigError."""
     args = cli.parse_args(train_args)
     if args.mesh:
-        data, fsdp = cli.mesh_sizes(args.mesh)
-        n_devices = data * fsdp
+        data, fsdp, context = cli.mesh_sizes(args.mesh)
+        n_devices = data * fsdp * context
     peak = PEAK_FLOPS[f"trn2-lnc{logical_nc}"] * n_devices
     wanted = {**LAUNCH_SETTINGS, "peak_flops": f"{peak:.6g}"}
     return unset_settings(args.overrides, wanted)

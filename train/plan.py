@@ -112,13 +112,13 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
     from laplace_jax.generate import _decode, _prefill
     from laplace_jax.model import init_params, init_state
     from laplace_jax.optim import muon_plan
-    from laplace_jax.sharding import DATA, FSDP, logical_sharding, replicated
+    from laplace_jax.sharding import CONTEXT, DATA, FSDP, logical_sharding, replicated
     from train.build import build_model
     from train.config import batch_layout
     from train.step import EVAL_BATCH_AXES, TRAIN_BATCH_AXES
 
     m, n = cfg.model, mesh.size
-    B, A, M = batch_layout(cfg.train, m.seq_len, n)
+    B, A, M = batch_layout(cfg.train, m.seq_len, n, context=mesh.shape.get(CONTEXT, 1))
     t = cfg.train  # packed documents: the plan compiles the resets a run on such data makes
     eot_id = t.eot_id if t.doc_reset != "off" and t.eot_id >= 0 else None
     parts = build_model(cfg, mesh, eot_id=eot_id)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import jax
 
-from laplace_jax.sharding import FSDP
+from laplace_jax.sharding import CONTEXT, param_axes
 from train import cli
 from train.build import build_model, restore_or_init
 from train.checkpoint import Checkpointer
@@ -46,7 +46,9 @@ def set_up(args) -> Trainer:
         train_paths, val_paths, tokenizer_src = [], [], None
     mesh = cli.mesh_from_flag(args.mesh)
     cfg = with_table_peak(cfg, mesh)
-    layout = batch_layout(cfg.train, cfg.model.seq_len, mesh.size, jax.process_count())
+    layout = batch_layout(
+        cfg.train, cfg.model.seq_len, mesh.size, jax.process_count(), mesh.shape.get(CONTEXT, 1)
+    )
     if task is None:
         batches, val_batches, train_tokens = build_pipeline(cfg, layout, train_paths, val_paths)
     else:
@@ -78,7 +80,7 @@ def set_up(args) -> Trainer:
         )
     fallbacks = replicated_fallbacks(cfg.model, mesh)
     if fallbacks:
-        notes.append(replication_notice(fallbacks, mesh.shape[FSDP]))
+        notes.append(replication_notice(fallbacks, mesh))
     t = Trainer(
         cfg=cfg,
         mesh=mesh,
@@ -105,11 +107,14 @@ def set_up(args) -> Trainer:
     return t
 
 
-def replication_notice(fallbacks: list[str], n: int, show: int = 4) -> str:
+def replication_notice(fallbacks: list[str], mesh, show: int = 4) -> str:
     more = f"; and {len(fallbacks) - show} more" if len(fallbacks) > show else ""
+    axes = param_axes(mesh)
+    names = " x ".join((axes,) if isinstance(axes, str) else axes)
+    sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in ((axes,) if isinstance(axes, str) else axes))
     return (
-        f"note: {len(fallbacks)} parameters are replicated, not sharded: their {FSDP} axis does "
-        f"not divide by {FSDP}={n} (Muon orthogonalises each whole on every device): "
+        f"note: {len(fallbacks)} parameters are replicated, not sharded: their {names} axis does "
+        f"not divide by {sizes} (Muon orthogonalises each whole on every device): "
         + "; ".join(fallbacks[:show])
         + more
     )

@@ -22,14 +22,16 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from laplace_jax.fsdp import make_loss_and_grad
-from laplace_jax.loss import next_token_loss
+from laplace_jax.fsdp import make_loss, make_loss_and_grad
 from laplace_jax.model import LaplaceLM
 from laplace_jax.sharding import logical_sharding, replicated
 
-# Logical axes of the token batches (the rules table in laplace_jax/sharding.py places them).
-TRAIN_BATCH_AXES = ("accum", "batch", "length")  # [A, M, T + 1]
-EVAL_BATCH_AXES = ("batch", "length")  # [M, T + 1]
+# Logical axes of the token batches (the rules table in laplace_jax/sharding.py places them):
+# whole windows of T + 1 tokens, which the step cuts into inputs and targets (and, on a context
+# axis, into slices); a task's answer mask covers the T targets.
+TRAIN_BATCH_AXES = ("accum", "batch", "window")  # [A, M, T + 1]
+EVAL_BATCH_AXES = ("batch", "window")  # [M, T + 1]
+TRAIN_MASK_AXES = ("accum", "batch", "length")  # [A, M, T]
 
 
 def make_train_step(
@@ -63,8 +65,7 @@ def make_train_step(
     }
     repl = replicated(mesh)
     specs = jax.tree.map(lambda s: s.spec, param_shardings)
-    batch_spec = logical_sharding(mesh, EVAL_BATCH_AXES).spec  # one micro-batch [M, T + 1]
-    grad_fn = make_loss_and_grad(model, mesh, specs, batch_spec, remat, eot_id)
+    grad_fn = make_loss_and_grad(model, mesh, specs, remat, eot_id)
 
     def step(state, batch, mask=None):
         params = state["params"]
@@ -131,9 +132,10 @@ def make_train_step(
     names = ("loss", "grad_norm", "applied", "bad_streak") + (("lr",) if lr_schedule else ())
     metric_shardings = {k: repl for k in names}
     batch_sharding = logical_sharding(mesh, TRAIN_BATCH_AXES)
+    mask_sharding = logical_sharding(mesh, TRAIN_MASK_AXES)
     return jax.jit(
         step,
-        in_shardings=(state_shardings, batch_sharding) + ((batch_sharding,) if masked else ()),
+        in_shardings=(state_shardings, batch_sharding) + ((mask_sharding,) if masked else ()),
         out_shardings=(state_shardings, metric_shardings),
         donate_argnums=0,
     ), state_shardings
@@ -150,10 +152,12 @@ def schedule_count(opt_state):
 
 
 def make_eval_step(model: LaplaceLM, mesh: Mesh, param_shardings, eot_id: int | None = None):
-    """jit(loss)(params, tokens [B, T + 1]) -> mean next-token loss (laplace_jax/loss.py;
-    `eot_id`: packed documents, as in training)."""
+    """jit(loss)(params, tokens [B, T + 1]) -> mean next-token loss: the training step's sharded
+    forward (laplace_jax/fsdp.py: weights gathered layer by layer, sequences split over a
+    context axis; `eot_id`: packed documents, as in training)."""
+    specs = jax.tree.map(lambda s: s.spec, param_shardings)
     return jax.jit(
-        lambda p, t: next_token_loss(model, p, t, eot_id),
+        make_loss(model, mesh, specs, eot_id),
         in_shardings=(param_shardings, logical_sharding(mesh, EVAL_BATCH_AXES)),
         out_shardings=replicated(mesh),
     )
@@ -162,7 +166,7 @@ def make_eval_step(model: LaplaceLM, mesh: Mesh, param_shardings, eot_id: int | 
 @functools.lru_cache(maxsize=4)
 def _matmul_probe(mesh: Mesh, size: int):
     n = mesh.size
-    sharding = logical_sharding(mesh, ("batch", "length", "length"))  # one pair per device
+    sharding = logical_sharding(mesh, ("devices", "window", "window"))  # one pair per device
     a = jax.device_put(
         np.random.default_rng(0).standard_normal((n, size, size), np.float32), sharding
     )

@@ -1,4 +1,4 @@
-"""Context-parallel GLA (laplace_jax/gla_context.py) against the recurrent definition.
+"""Context-parallel GLA (laplace_jax/context_parallel.py) against the recurrent definition.
 
 Sequences split over a `context` mesh axis of 2, 4 and 8 simulated devices give the outputs,
 final state and gradients of `gla_recurrent` over the whole sequence (fp32: 1e-5 of the largest
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
+from laplace_jax.context_parallel import gla_context_parallel
 from laplace_jax.gla import gla_recurrent
-from laplace_jax.gla_context import gla_context_parallel
 
 B, H, K, V, C = 2, 3, 4, 5, 4
 LOG_DECAY = jnp.log(jnp.asarray([0.5, 0.9, 0.999], jnp.float32))

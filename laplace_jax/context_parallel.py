@@ -1,4 +1,9 @@
-"""Context-parallel GLA: one sequence split over the devices of a mesh axis (docs/design.md s11).
+"""Context parallelism: one sequence split over the devices of a mesh axis (docs/design.md s11).
+
+The two token mixers of a layer that reach across tokens, the GLA and the causal conv, each
+exchange one small thing per layer between the slices; everything else in a layer is per token.
+
+GLA.
 
 Called inside `jax.shard_map`, where mesh axis `axis` (size S) splits every sequence of T tokens
 into S contiguous slices of L = T / S tokens, device i holding slice i. For each head (decay
@@ -21,6 +26,13 @@ the backward is autodiff's (the all_gather transposes to a reduce-scatter).
 
 Per layer and sequence each device receives the S states, S x H x d_k x d_v x 4 bytes, however
 long the slice.
+
+Conv. Output t of the depth-wise conv reads inputs t - W + 1 .. t, so a slice's first W - 1
+outputs need the last inputs of the slice before: each device sends its last W inputs (those
+before the last document start of its slice zeroed, as `laplace_jax.model.trailing_window`
+keeps them for a prefill) one step along the axis with a `ppermute`; the first slice receives
+zeros, the empty window of a sequence's start. A document starting at a slice's first token is a
+reset there (computed on the whole sequence before it was split), which discards that window.
 """
 
 from __future__ import annotations
@@ -31,6 +43,13 @@ import jax.numpy as jnp
 from laplace_jax.gla import _scale, gla_chunked
 
 f32 = jnp.float32
+
+
+def window_from_previous_slice(window, axis: str):
+    """[B, W, D]: the previous slice's trailing conv window (`window`, this slice's own, is
+    what the next device receives); zeros on the first device of `axis`."""
+    n = jax.lax.axis_size(axis)
+    return jax.lax.ppermute(window, axis, [(i, i + 1) for i in range(n - 1)])
 
 
 def slice_decay(log_decay, batch: int, length: int, reset=None, valid=None):
