@@ -22,7 +22,9 @@ inter-chunk factor of the single-device kernel). Resets and padding follow lapla
 document may start anywhere, at a slice's first token included, and a padded token neither adds
 nor decays. The fold of step 2 is a `lax.scan` of static length S whose steps past this device's
 index are `jnp.where`-selected away (no conditionals, no data-dependent loops: Neuron-clean), and
-the backward is autodiff's (the all_gather transposes to a reduce-scatter).
+the backward is autodiff's (the all_gather transposes to a reduce-scatter; the fold's own
+backward needs only the decays, which hold no parameter). The incoming state is named
+(`CONTEXT_STATE`) so a rematerialised layer keeps it and exchanges once each way per layer.
 
 Per layer and sequence each device receives the S states, S x H x d_k x d_v x 4 bytes, however
 long the slice.
@@ -33,23 +35,33 @@ before the last document start of its slice zeroed, as `laplace_jax.model.traili
 keeps them for a prefill) one step along the axis with a `ppermute`; the first slice receives
 zeros, the empty window of a sequence's start. A document starting at a slice's first token is a
 reset there (computed on the whole sequence before it was split), which discards that window.
+
+Targets: laplace_jax/loss.py's `next_token_slice` cuts each device's slice of inputs, targets
+and document starts from the whole token windows, with no collective.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from laplace_jax.gla import _scale, gla_chunked
 
 f32 = jnp.float32
+
+# The name scope of the collectives between slices (train.plan counts them as their own kind)
+# and the name of the state they deliver (what a rematerialised layer keeps).
+EXCHANGE = "context_exchange"
+CONTEXT_STATE = "context_state"
 
 
 def window_from_previous_slice(window, axis: str):
     """[B, W, D]: the previous slice's trailing conv window (`window`, this slice's own, is
     what the next device receives); zeros on the first device of `axis`."""
     n = jax.lax.axis_size(axis)
-    return jax.lax.ppermute(window, axis, [(i, i + 1) for i in range(n - 1)])
+    with jax.named_scope(EXCHANGE):
+        return jax.lax.ppermute(window, axis, [(i, i + 1) for i in range(n - 1)])
 
 
 def slice_decay(log_decay, batch: int, length: int, reset=None, valid=None):
@@ -65,9 +77,12 @@ def slice_decay(log_decay, batch: int, length: int, reset=None, valid=None):
 
 
 def incoming_state(s_loc, a, axis: str):
-    """S_in of this device's slice from every slice's (S_loc [B, H, K, V], a [B, H])."""
-    s_all = jax.lax.all_gather(s_loc, axis)  # [S, B, H, K, V]
-    a_all = jax.lax.all_gather(a, axis)  # [S, B, H]
+    """S_in of this device's slice from every slice's (S_loc [B, H, K, V], a [B, H]), named
+    `CONTEXT_STATE` for the remat policies (laplace_jax/fsdp.py keeps it, so a recomputed layer
+    does not exchange again)."""
+    with jax.named_scope(EXCHANGE):
+        s_all = jax.lax.all_gather(s_loc, axis)  # [S, B, H, K, V]
+        a_all = jax.lax.all_gather(a, axis)  # [S, B, H]
     me = jax.lax.axis_index(axis)
 
     def fold(s_in, xs):  # S_in_{j+1} = a_j S_in_j + S_loc_j, kept only for j < me
@@ -77,7 +92,7 @@ def incoming_state(s_loc, a, axis: str):
 
     steps = jnp.arange(s_all.shape[0])
     s_in, _ = jax.lax.scan(fold, jnp.zeros_like(s_loc), (s_all, a_all, steps))
-    return s_in
+    return checkpoint_name(s_in, CONTEXT_STATE)
 
 
 def gla_context_parallel(

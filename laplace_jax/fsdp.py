@@ -25,11 +25,11 @@ travel in the compute dtype is the `gather_in_compute_dtype` column of
 laplace_spec/param_groups.py. `tests/test_fsdp.py` checks loss and gradients against
 `jax.value_and_grad` of the plain model.
 
-Long sequences (docs/design.md s11): on a mesh with a `context` axis of size S, inputs, targets
-and document starts are cut from the token batch on the whole sequence, before `shard_map`, and
-each device of a context group gets one contiguous slice of them (the rules table's `length`);
-so the target of a slice's last token is the next slice's first token, and a document starting
-at a slice's first token is a reset there. The decoder layers are `DecoderLayer`s with
+Long sequences (docs/design.md s11): on a mesh with a `context` axis of size S, every device of
+a context group receives the group's whole token windows and cuts its contiguous slice of
+inputs, targets and document starts from them (laplace_jax/loss.py's `next_token_slice`: the
+target of a slice's last token is the next slice's first token); a task's mask arrives already
+split (the rules table's `length`). The decoder layers are `DecoderLayer`s with
 `context_axis="context"` (laplace_jax/context_parallel.py: one exchange per layer for the GLA, a
 ppermute for the conv). Parameters are split over `fsdp x context`, so the gathers and the
 gradients' reduce-scatter run over both axes, and a slice's gradient is summed with the other
@@ -46,8 +46,9 @@ import jax.numpy as jnp
 from flax import traverse_util
 from jax.sharding import Mesh, PartitionSpec
 
-from laplace_jax.loss import token_losses
-from laplace_jax.model import DecoderLayer, LaplaceLM, reset_after_eot
+from laplace_jax.context_parallel import CONTEXT_STATE
+from laplace_jax.loss import next_token_slice, token_losses
+from laplace_jax.model import DecoderLayer, LaplaceLM
 from laplace_jax.sharding import CONTEXT, logical_to_spec
 from laplace_spec.param_groups import param_group
 
@@ -56,10 +57,15 @@ f32 = jnp.float32
 # What the backward of a decoder layer keeps from its forward (`remat`): "none" keeps every
 # activation (and the gathered weights); "layer" keeps each layer's input only and recomputes the
 # layer, weights gathered again; "dots" keeps the matmul outputs too (less recompute, more memory).
+# Both keep the state a context-parallel layer received (CONTEXT_STATE, [b, H, dk, dv] per layer),
+# so the recomputed forward makes no second exchange.
+_keep_exchange = jax.checkpoint_policies.save_only_these_names(CONTEXT_STATE)
 REMAT_POLICIES = {
     "none": None,
-    "layer": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "layer": _keep_exchange,
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _keep_exchange
+    ),
 }
 
 # The parameters outside the decoder layers, which `LaplaceLM` applies itself around the scan.
@@ -148,7 +154,8 @@ def make_sharded_loss(
             "token_mixer='attention' (the retrieval baseline) has no context-parallel form: "
             "train it without a context axis"
         )
-    slice_spec = logical_to_spec(("batch", "length"), None, mesh)  # [M, T] inputs, targets
+    window_spec = logical_to_spec(("batch", "window"), None, mesh)  # tokens [M, T + 1]
+    slice_spec = logical_to_spec(("batch", "length"), None, mesh)  # a mask [M, T]
     flat_specs = traverse_util.flatten_dict(param_specs, sep="/")
 
     def gather_args(path):  # static (axis, over, dtype, mesh axes) of the parameter at `path`
@@ -180,8 +187,10 @@ def make_sharded_loss(
     if REMAT_POLICIES[remat] is not None:
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
 
-    def local_loss(shards, n_global, inputs, targets, reset=None, mask=None):
-        # shards: this device's {path: shard}; inputs, targets, reset, mask: its [b, T / S]
+    def local_loss(shards, n_global, tokens, mask=None):
+        # shards: this device's {path: shard}; tokens: its sequences' windows [b, T + 1];
+        # mask: its slice [b, T / S] of their targets
+        inputs, targets, reset = next_token_slice(tokens, eot_id, decoder_layer.context_axis)
         stacked = {  # [L, ...] per layer parameter: local shards only, no communication
             p: jnp.stack([shards[f"layer_{i}/{p}"] for i in range(L)]) for p in layer_args
         }
@@ -199,11 +208,11 @@ def make_sharded_loss(
 
     split_axes = tuple(a for a in mesh_axes if a in jax.tree.leaves(tuple(slice_spec)))
 
-    def body(shards, n_targets, inputs, targets, reset, mask):  # per device: shards and slices
+    def body(shards, n_targets, tokens, mask):  # per device: shards, windows, mask slice
         if mask is not None:  # the scored targets of the whole micro-batch (none: loss 0)
             n_targets = jax.lax.psum(mask.sum(dtype=f32), split_axes) if split_axes else mask.sum()
             n_targets = jnp.maximum(n_targets.astype(f32), 1.0)
-        args = (shards, n_targets, inputs, targets, reset, mask)
+        args = (shards, n_targets, tokens, mask)
         if not grad:
             return jax.lax.psum(local_loss(*args), mesh_axes)
         loss, grads = jax.value_and_grad(local_loss)(*args)
@@ -212,20 +221,22 @@ def make_sharded_loss(
     def sharded_loss(params, tokens, mask=None):
         """`mask` [M, T] bool (optional): the loss is sum(ce * mask) / sum(mask) over the whole
         micro-batch (e.g. the answer positions of train/tasks.py); None: every target counts."""
-        _check_slices(cfg, tokens.shape[1] - 1, context)
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [M, T], cut from whole sequences
-        reset = None if eot_id is None else reset_after_eot(inputs, eot_id)  # [M, T] bool
-        n_targets = jnp.asarray(inputs.size, f32)  # every target of the micro-batch
-        slices = (inputs, targets, reset, mask)
+        M, T = tokens.shape[0], tokens.shape[1] - 1
+        _check_slices(cfg, T, context)
+        n_targets = jnp.asarray(M * T, f32)  # every target of the micro-batch
         fn = jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(flat_specs, PartitionSpec())
-            + tuple(None if a is None else slice_spec for a in slices),
+            in_specs=(
+                flat_specs,
+                PartitionSpec(),
+                window_spec,
+                None if mask is None else slice_spec,
+            ),
             out_specs=(PartitionSpec(), flat_specs) if grad else PartitionSpec(),
             check_vma=False,
         )
-        out = fn(traverse_util.flatten_dict(params, sep="/"), n_targets, *slices)
+        out = fn(traverse_util.flatten_dict(params, sep="/"), n_targets, tokens, mask)
         if not grad:
             return out
         loss, grads = out

@@ -9,6 +9,12 @@ blocks of the flattened [B T] tokens, each block a `jax.checkpoint`): at most on
 them. At 16,384 tokens on a device and the 3B vocabulary, whole logits would be 3.3 GB (and as
 much for their gradient); a block of 2,048 is 412 MB. The result is the same cross-entropy.
 
+With sequences split over a context axis (docs/design.md s11), every device of a context group
+holds the group's whole token windows [b, T + 1] (a few bytes per token) and cuts its own slice
+of inputs, targets and document starts from them (`next_token_slice`): the target of a slice's
+last token is the next slice's first token, and whether a document starts at a slice's first
+token is read from the last input of the slice before. No collective is involved.
+
 Evaluation, the FSDP training step (laplace_jax/fsdp.py, which adds its target mask and the
 share of the global mean, and on a context axis hands each device its slice of inputs and
 targets) and the tests all take it from here.
@@ -72,9 +78,27 @@ def token_losses(
 def next_token_losses(model: LaplaceLM, params, tokens, eot_id: int | None = None, layers=None):
     """ce [B, T] of tokens [B, T + 1]. `eot_id`: packed documents, the model resets its state at
     the token after each end-of-text. `layers`: as in `token_losses`."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [B, T]
-    reset = None if eot_id is None else reset_after_eot(inputs, eot_id)  # [B, T] bool
+    inputs, targets, reset = next_token_slice(tokens, eot_id, None)  # [B, T] each
     return token_losses(model, params, inputs, targets, reset, layers)
+
+
+def next_token_slice(tokens, eot_id: int | None, axis: str | None):
+    """Whole token windows tokens [b, T + 1] -> this device's slice of (inputs, targets, reset),
+    each [b, T / S]: positions [i L, (i + 1) L) of the whole sequences' inputs tokens[:, :-1],
+    targets tokens[:, 1:] and `reset_after_eot(inputs, eot_id)` (None without `eot_id`), for
+    device i of `axis` (S devices; None: the whole sequence, S = 1)."""
+    T = tokens.shape[1] - 1
+    S = 1 if axis is None else jax.lax.axis_size(axis)
+    L = T // S
+    start = 0 if axis is None else jax.lax.axis_index(axis) * L
+    window = jax.lax.dynamic_slice_in_dim(tokens, start, L + 1, axis=1)  # [b, L + 1]
+    inputs, targets = window[:, :-1], window[:, 1:]
+    if eot_id is None:
+        return inputs, targets, None
+    # the input before the slice (a clamped read on the first device, where nothing precedes)
+    before = jax.lax.dynamic_slice_in_dim(tokens, jnp.maximum(start - 1, 0), 1, axis=1)
+    reset = reset_after_eot(jnp.concatenate([before, inputs], axis=1), eot_id)[:, 1:]
+    return inputs, targets, reset.at[:, 0].set(reset[:, 0] & (start > 0))  # [b, L] each
 
 
 def next_token_loss(model: LaplaceLM, params, tokens, eot_id: int | None = None):
