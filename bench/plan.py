@@ -1,10 +1,15 @@
-"""`python -m bench.plan`: Laplace 3B on 64 simulated devices at the recipe batch, compiled only.
+"""`python -m bench.plan`: Laplace 3B on 64 simulated devices, compiled only: the 2,048-token
+recipe and long sequences split over a context axis.
 
 The recipe (docs/design.md s8): `laplace-3b`, 524,288 tokens per step (256 sequences of
-2,048), micro batch 64 (4 accumulation steps), FSDP over 64 devices. Every program the trainer
-puts on the devices is compiled with abstract inputs (`train.plan.make_plan`); nothing of 3B size is
-allocated and nothing runs on Trainium. Prints the plan's table and writes bench/results/plan.json
-(headline keys of docs/design.md s7).
+2,048), micro batch 64 (4 accumulation steps), FSDP over 64 devices. Long context (s11): the same
+model at 32,768 tokens per sequence (16 sequences, `--mesh fsdp=16,context=4`), 131,072 (4
+sequences, `fsdp=4,context=16`) and 1,048,576 (one sequence per step, `fsdp=1,context=64`), each
+step one micro-batch. Every program the trainer puts on the devices is compiled with abstract
+inputs (`train.plan.make_plan`); nothing of 3B size is allocated and nothing runs on Trainium.
+Prints each plan's table and writes bench/results/plan.json: the recipe's plan, and a row per long
+sequence (peak memory, collectives by kind against their ideals, census, modelled step time and
+cost per token against the recipe's).
 """
 
 from __future__ import annotations
@@ -13,10 +18,46 @@ import argparse
 
 from train.plan import print_table, simulate_devices
 
+# (row, tokens per sequence, context devices, tokens per step): docs/design.md s11
+LONG_CONTEXT = (
+    ("32k", 32_768, 4, 524_288),
+    ("128k", 131_072, 16, 524_288),
+    ("1m", 1_048_576, 64, 1_048_576),
+)
+
+
+def long_context_row(plan: dict, recipe: dict, context: int) -> dict:
+    """One long-sequence plan, summarised beside the recipe's."""
+    step = plan["programs"]["train_step"]
+    h, b = plan["headline"], plan["batch"]
+    cost = plan["modelled_trn2"]["step_s"] / b["tokens"]
+    recipe_cost = recipe["modelled_trn2"]["step_s"] / recipe["batch"]["tokens"]
+    return {
+        "seq_len": plan["config"]["model"]["seq_len"],
+        "context": context,
+        "mesh": plan["mesh"],
+        "batch": b,
+        "train_step_memory": step["memory"],
+        "collectives": step["collectives"],
+        "ideal": plan["fsdp_ideal_bytes_received"],
+        "collective_bytes_over_ideal": h["collective_bytes_over_fsdp_ideal"],
+        "context_exchange_over_ideal": h["context_exchange_over_ideal"],
+        "neuron_census_violations": h["neuron_census_violations"],
+        "modelled_trn2": plan["modelled_trn2"],
+        "modelled_cost_per_token_s": cost,
+        "cost_per_token_over_2k": cost / recipe_cost,
+        "compile_s": {name: p["compile_s"] for name, p in plan["programs"].items()},
+    }
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__.split("\n")[0])
     ap.add_argument("--devices", type=int, default=64)
+    ap.add_argument(
+        "--rows",
+        default=",".join(name for name, *_ in LONG_CONTEXT),
+        help="long-sequence rows to compile beside the recipe (comma-separated; '' for none)",
+    )
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="on top of the recipe")
     args = ap.parse_args(argv)
     simulate_devices(args.devices)
@@ -33,7 +74,40 @@ def main(argv=None) -> int:
     plan = make_plan(cfg, make_mesh(args.devices))
     print_table(plan)
     headline = plan.pop("headline")
-    print(write_result("plan", headline, recipe_overrides=recipe, **plan))
+
+    rows, commands = {}, {}
+    wanted = [r for r in args.rows.split(",") if r]
+    for name, seq_len, context, step_tokens in LONG_CONTEXT:
+        if name not in wanted:
+            continue
+        overrides = with_launch_settings(
+            [
+                f"seq_len={seq_len}",
+                f"micro_batch_size={step_tokens // seq_len}",  # one micro-batch per step
+                "eot_id=50256",
+                *args.overrides,
+            ]
+        )
+        mesh = f"fsdp={args.devices // context},context={context}"
+        commands[name] = (
+            f"python -m train.plan --config laplace-3b --devices {args.devices} --mesh {mesh} "
+            f"--global-batch-tokens {step_tokens} {' '.join(overrides)}"
+        )
+        long_cfg = train_config.resolve(
+            "laplace-3b", overrides, {"global_batch_tokens": step_tokens}
+        )
+        print(f"\n{name}: {commands[name]}")
+        long_plan = make_plan(long_cfg, make_mesh(args.devices, context=context), plan["hbm_gib"])
+        print_table(long_plan)
+        rows[name] = long_context_row(long_plan, {**plan, "headline": headline}, context)
+        rows[name]["command"] = commands[name]
+        headline[f"train_step_gib_per_device_{name}"] = round(
+            rows[name]["train_step_memory"]["peak"] / 1024**3, 3
+        )
+        headline[f"context_exchange_over_ideal_{name}"] = rows[name]["context_exchange_over_ideal"]
+    if "1m" in rows:
+        headline["cost_per_token_1m_over_2k"] = round(rows["1m"]["cost_per_token_over_2k"], 4)
+    print(write_result("plan", headline, recipe_overrides=recipe, long_context=rows, **plan))
     return 0
 
 

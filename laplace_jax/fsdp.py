@@ -47,7 +47,7 @@ from flax import traverse_util
 from jax.sharding import Mesh, PartitionSpec
 
 from laplace_jax.context_parallel import CONTEXT_STATE
-from laplace_jax.loss import next_token_slice, token_losses
+from laplace_jax.loss import next_token_slice, token_losses, token_scores
 from laplace_jax.model import DecoderLayer, LaplaceLM
 from laplace_jax.sharding import CONTEXT, logical_to_spec
 from laplace_spec.param_groups import param_group
@@ -122,6 +122,74 @@ def _check_slices(cfg, T: int, context: int) -> None:
         )
 
 
+def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id):
+    """f(shards, tokens [b, T + 1], outputs) -> outputs(model, top weights, inputs, targets,
+    reset, layers) on one device inside `shard_map`: this device's slice of inputs, targets and
+    document starts cut from its windows (`next_token_slice`), the decoder layers a scan of
+    `DecoderLayer` over weights gathered layer by layer, the top-level weights gathered.
+    `outputs` is laplace_jax/loss.py's `token_losses` (training) or `token_scores` (eval)."""
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
+    cfg = model.config
+    dtype = jnp.dtype(cfg.compute_dtype)
+    mesh_axes = tuple(mesh.axis_names)
+    L = cfg.n_layers
+    context = mesh.shape.get(CONTEXT, 1)
+    if context > 1 and cfg.token_mixer == "attention":
+        raise ValueError(
+            "token_mixer='attention' (the retrieval baseline) has no context-parallel form: "
+            "train it without a context axis"
+        )
+    flat_specs = traverse_util.flatten_dict(param_specs, sep="/")
+
+    def gather_args(path):  # static (axis, over, dtype, mesh axes) of the parameter at `path`
+        cast = param_group(path).gather_in_compute_dtype  # laplace_spec/param_groups.py
+        return *split_dim(flat_specs[path]), dtype if cast else f32, mesh_axes
+
+    layer_args = {  # "qkvg/kernel" -> static gather arguments (the same for every layer)
+        p.split("/", 1)[1]: gather_args(p) for p in flat_specs if p.startswith("layer_0/")
+    }
+
+    # built here, outside the model's apply; on a context axis it holds one slice of each sequence
+    decoder_layer = DecoderLayer(cfg, model.unroll, CONTEXT if context > 1 else None)
+
+    def layer(x, stacked_shards, reset=None):  # x: [b, T, D]; one layer's shards; reset [b, T]
+        weights = {p: gather_weight(stacked_shards[p], *layer_args[p]) for p in layer_args}
+        b = x.shape[0]
+        state = {
+            "gla": jnp.zeros((b, *cfg.gla_state_shape), f32),
+            "conv": jnp.zeros((b, *cfg.conv_state_shape), f32),
+        }
+        layer_params = traverse_util.unflatten_dict(weights, sep="/")
+        kw = {} if reset is None else {"reset": reset}
+        x, _ = decoder_layer.apply({"params": layer_params}, x, state, **kw)
+        return x, None
+
+    if REMAT_POLICIES[remat] is not None:
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+
+    def forward(shards, tokens, outputs):
+        # shards: this device's {path: shard}; tokens: its sequences' windows [b, T + 1]
+        inputs, targets, reset = next_token_slice(tokens, eot_id, decoder_layer.context_axis)
+        stacked = {  # [L, ...] per layer parameter: local shards only, no communication
+            p: jnp.stack([shards[f"layer_{i}/{p}"] for i in range(L)]) for p in layer_args
+        }
+
+        def layers(x, reset):  # the decoder layers: a scan over the stacked shards, [b, T, D]
+            x, _ = jax.lax.scan(lambda x, s: layer(x, s, reset), x, stacked)
+            return x
+
+        top = {p: gather_weight(shards[p], *gather_args(p)) for p in TOP_LEVEL}
+        top = traverse_util.unflatten_dict(top, sep="/")  # embedding, final norm, head
+        return outputs(model, top, inputs, targets, reset, layers)  # [b, T / S] each
+
+    return forward
+
+
+def _check_tokens(cfg, mesh: Mesh, tokens) -> None:
+    _check_slices(cfg, tokens.shape[1] - 1, mesh.shape.get(CONTEXT, 1))
+
+
 def make_sharded_loss(
     model: LaplaceLM,
     mesh: Mesh,
@@ -142,71 +210,18 @@ def make_sharded_loss(
     sequences are split over the rules table's `batch` axes and, with a `context` axis, their
     positions over `length` (module docstring).
     """
-    if remat not in REMAT_POLICIES:
-        raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
-    cfg = model.config
-    dtype = jnp.dtype(cfg.compute_dtype)
+    forward = device_forward(model, mesh, param_specs, remat, eot_id)
     mesh_axes = tuple(mesh.axis_names)
-    L = cfg.n_layers
-    context = mesh.shape.get(CONTEXT, 1)
-    if context > 1 and cfg.token_mixer == "attention":
-        raise ValueError(
-            "token_mixer='attention' (the retrieval baseline) has no context-parallel form: "
-            "train it without a context axis"
-        )
     window_spec = logical_to_spec(("batch", "window"), None, mesh)  # tokens [M, T + 1]
     slice_spec = logical_to_spec(("batch", "length"), None, mesh)  # a mask [M, T]
+    split_axes = tuple(a for a in mesh_axes if a in jax.tree.leaves(tuple(slice_spec)))
     flat_specs = traverse_util.flatten_dict(param_specs, sep="/")
 
-    def gather_args(path):  # static (axis, over, dtype, mesh axes) of the parameter at `path`
-        cast = param_group(path).gather_in_compute_dtype  # laplace_spec/param_groups.py
-        return *split_dim(flat_specs[path]), dtype if cast else f32, mesh_axes
-
-    layer_args = {  # "qkvg/kernel" -> static gather arguments (the same for every layer)
-        p.split("/", 1)[1]: gather_args(p) for p in flat_specs if p.startswith("layer_0/")
-    }
-
-    def gather(params, path):
-        return gather_weight(params[path], *gather_args(path))
-
-    # built here, outside the model's apply; on a context axis it holds one slice of each sequence
-    decoder_layer = DecoderLayer(cfg, model.unroll, CONTEXT if context > 1 else None)
-
-    def layer(x, stacked_shards, reset=None):  # x: [b, T, D]; one layer's shards; reset [b, T]
-        weights = {p: gather_weight(stacked_shards[p], *layer_args[p]) for p in layer_args}
-        b = x.shape[0]
-        state = {
-            "gla": jnp.zeros((b, *cfg.gla_state_shape), f32),
-            "conv": jnp.zeros((b, *cfg.conv_state_shape), f32),
-        }
-        layer_params = traverse_util.unflatten_dict(weights, sep="/")
-        kw = {} if reset is None else {"reset": reset}
-        x, _ = decoder_layer.apply({"params": layer_params}, x, state, **kw)
-        return x, None
-
-    if REMAT_POLICIES[remat] is not None:
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
-
-    def local_loss(shards, n_global, tokens, mask=None):
-        # shards: this device's {path: shard}; tokens: its sequences' windows [b, T + 1];
-        # mask: its slice [b, T / S] of their targets
-        inputs, targets, reset = next_token_slice(tokens, eot_id, decoder_layer.context_axis)
-        stacked = {  # [L, ...] per layer parameter: local shards only, no communication
-            p: jnp.stack([shards[f"layer_{i}/{p}"] for i in range(L)]) for p in layer_args
-        }
-
-        def layers(x, reset):  # the decoder layers: a scan over the stacked shards, [b, T, D]
-            x, _ = jax.lax.scan(lambda x, s: layer(x, s, reset), x, stacked)
-            return x
-
-        top = {p: gather(shards, p) for p in TOP_LEVEL}  # embedding, final norm, head
-        top = traverse_util.unflatten_dict(top, sep="/")
-        ce = token_losses(model, top, inputs, targets, reset, layers)  # [b, T / S] fp32
+    def local_loss(shards, n_global, tokens, mask=None):  # mask: this device's [b, T / S]
+        ce = forward(shards, tokens, token_losses)  # [b, T / S] fp32
         if mask is not None:  # only the scored targets count
             ce = jnp.where(mask, ce, 0.0)
         return ce.sum() / n_global  # this device's share of the global mean
-
-    split_axes = tuple(a for a in mesh_axes if a in jax.tree.leaves(tuple(slice_spec)))
 
     def body(shards, n_targets, tokens, mask):  # per device: shards, windows, mask slice
         if mask is not None:  # the scored targets of the whole micro-batch (none: loss 0)
@@ -221,9 +236,8 @@ def make_sharded_loss(
     def sharded_loss(params, tokens, mask=None):
         """`mask` [M, T] bool (optional): the loss is sum(ce * mask) / sum(mask) over the whole
         micro-batch (e.g. the answer positions of train/tasks.py); None: every target counts."""
-        M, T = tokens.shape[0], tokens.shape[1] - 1
-        _check_slices(cfg, T, context)
-        n_targets = jnp.asarray(M * T, f32)  # every target of the micro-batch
+        _check_tokens(model.config, mesh, tokens)
+        n_targets = jnp.asarray(tokens.shape[0] * (tokens.shape[1] - 1), f32)  # M T targets
         fn = jax.shard_map(
             body,
             mesh=mesh,
@@ -243,6 +257,29 @@ def make_sharded_loss(
         return loss, traverse_util.unflatten_dict(grads, sep="/")
 
     return sharded_loss
+
+
+def make_token_scores(model: LaplaceLM, mesh: Mesh, param_specs, eot_id: int | None = None):
+    """f(params, tokens [M, T + 1]) -> (ce [M, T] fp32, greedy next token [M, T] int32) at every
+    position (laplace_jax/loss.py's `token_scores`), through the training step's sharded
+    forward: what `train.eval` scores a checkpoint with, at its length, on many devices."""
+    forward = device_forward(model, mesh, param_specs, "none", eot_id)
+    window_spec = logical_to_spec(("batch", "window"), None, mesh)
+    slice_spec = logical_to_spec(("batch", "length"), None, mesh)
+    flat_specs = traverse_util.flatten_dict(param_specs, sep="/")
+
+    def scores(params, tokens):
+        _check_tokens(model.config, mesh, tokens)
+        fn = jax.shard_map(
+            lambda shards, t: forward(shards, t, token_scores),
+            mesh=mesh,
+            in_specs=(flat_specs, window_spec),
+            out_specs=(slice_spec, slice_spec),
+            check_vma=False,
+        )
+        return fn(traverse_util.flatten_dict(params, sep="/"), tokens)
+
+    return scores
 
 
 def make_loss_and_grad(

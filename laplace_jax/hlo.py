@@ -206,10 +206,12 @@ def collectives(hlo: str, n_devices: int) -> list[dict]:
             if kind not in COLLECTIVE_KINDS:
                 continue
             g = _group_size(rest, n_devices)
+            op_name = re.search(r'op_name="([^"]*)"', rest)
+            op_name = op_name.group(1) if op_name else ""
             if kind == "all-reduce":  # ring: reduce-scatter, then all-gather; per tuple element
                 for size, dtype, sliced in _elements(name, types, instrs, comps):
                     received = 2 * (g - 1) * size // g
-                    out.append(_entry(kind, dtype, size, g, times, received, sliced))
+                    out.append(_entry(kind, dtype, size, g, times, received, sliced, op_name))
                 continue
             size, dtype = _bytes(types)
             widened = dtype == "f32" and _narrowed_by_users(name, instrs, comps)
@@ -223,13 +225,14 @@ def collectives(hlo: str, n_devices: int) -> list[dict]:
                 received = (g - 1) * size // g
             else:
                 received = size
-            out.append(_entry(kind, dtype, size, g, times, received, False, widened))
+            out.append(_entry(kind, dtype, size, g, times, received, False, op_name, widened))
     return out
 
 
-def _entry(kind, dtype, size, group, times, received, sliced, widened=False) -> dict:
+def _entry(kind, dtype, size, group, times, received, sliced, op_name, widened=False) -> dict:
     return {
         "kind": kind,
+        "op_name": op_name,  # the JAX name stack it was traced under (its metadata)
         "dtype": dtype,
         "bytes": size,
         "group": group,
@@ -241,20 +244,28 @@ def _entry(kind, dtype, size, group, times, received, sliced, widened=False) -> 
     }
 
 
-def collective_bytes(colls: list[dict], target_forms_reduce_scatter: bool = True) -> dict:
+def collective_bytes(
+    colls: list[dict], target_forms_reduce_scatter: bool = True, scopes: dict | None = None
+) -> dict:
     """Bytes received per device per program run, by kind, as GPU/TPU/Neuron move them: an
     all-reduce used only through a dynamic-slice counts as the reduce-scatter it becomes there
     (half the bytes), and bf16 data at bf16 width. With `target_forms_reduce_scatter=False`,
-    XLA:CPU's own program: all-reduces as all-reduces, widened bf16 collectives at f32 width."""
-    out = {k: 0 for k in COLLECTIVE_KINDS}
+    XLA:CPU's own program: all-reduces as all-reduces, widened bf16 collectives at f32 width.
+
+    `scopes` {kind: name scope}: a collective traced under that `jax.named_scope` (its op_name;
+    its autodiff transpose included) is counted under that kind instead of its op's, e.g.
+    {"context-exchange": "context_exchange"}."""
+    scopes = scopes or {}
+    out = {k: 0 for k in (*COLLECTIVE_KINDS, *scopes)}
     for c in colls:
+        own = next((k for k, scope in scopes.items() if scope in c["op_name"]), None)
         if target_forms_reduce_scatter and c["sliced"]:
-            out["reduce-scatter"] += c["as_reduce_scatter"]
+            out[own or "reduce-scatter"] += c["as_reduce_scatter"]
         elif target_forms_reduce_scatter:
-            out[c["kind"]] += c["received"]
+            out[own or c["kind"]] += c["received"]
         else:
-            out[c["kind"]] += c["received"] * (2 if c["widened_here"] else 1)
-    out["total"] = sum(out[k] for k in COLLECTIVE_KINDS)
+            out[own or c["kind"]] += c["received"] * (2 if c["widened_here"] else 1)
+    out["total"] = sum(out.values())
     return out
 
 

@@ -26,31 +26,49 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from laplace_jax.generate import greedy_token
 from laplace_jax.model import LaplaceLM, reset_after_eot
 
 # Tokens whose logits are computed at once ([LOSS_BLOCK_TOKENS, V] fp32 is the largest).
 LOSS_BLOCK_TOKENS = 2048
 
 
-def blocked_cross_entropy(logits_fn, params, x, targets, block_tokens: int = LOSS_BLOCK_TOKENS):
-    """ce [B, T] fp32 of logits_fn(params, x) [B, T, V] against targets [B, T], computed a block
-    of `block_tokens` tokens at a time (x: [B, T, D], what the head reads)."""
+def over_token_blocks(fn, params, x, targets, block_tokens: int = LOSS_BLOCK_TOKENS):
+    """fn(params, x [N, D], targets [N]) -> per-token arrays [N] (a tuple of them allowed),
+    applied to x [B, T, D] and targets [B, T] `block_tokens` tokens at a time -> [B, T] each."""
     B, T, D = x.shape
     n = B * T
     if n <= block_tokens:  # one block: the plain computation
-        return optax.softmax_cross_entropy_with_integer_labels(logits_fn(params, x), targets)
+        out = fn(params, x.reshape(n, D), targets.reshape(n))
+        return jax.tree.map(lambda y: y.reshape(B, T), out)
     blocks = -(-n // block_tokens)
     pad = blocks * block_tokens - n  # the last block is padded; its padding is cut off below
     xb = jnp.pad(x.reshape(n, D), ((0, pad), (0, 0))).reshape(blocks, block_tokens, D)
     tb = jnp.pad(targets.reshape(n), (0, pad)).reshape(blocks, block_tokens)
 
     @jax.checkpoint  # the backward recomputes the block's logits instead of keeping them
-    def block_ce(block):  # x [block_tokens, D], targets [block_tokens] -> ce [block_tokens]
-        x_b, t_b = block
-        return optax.softmax_cross_entropy_with_integer_labels(logits_fn(params, x_b), t_b)
+    def block(xt):  # x [block_tokens, D], targets [block_tokens] -> [block_tokens] each
+        return fn(params, *xt)
 
-    ce = jax.lax.map(block_ce, (xb, tb))  # [blocks, block_tokens]
-    return ce.reshape(blocks * block_tokens)[:n].reshape(B, T)
+    out = jax.lax.map(block, (xb, tb))  # [blocks, block_tokens] each
+    return jax.tree.map(lambda y: y.reshape(blocks * block_tokens)[:n].reshape(B, T), out)
+
+
+def blocked_cross_entropy(logits_fn, params, x, targets, block_tokens: int = LOSS_BLOCK_TOKENS):
+    """ce [B, T] fp32 of logits_fn(params, x) [B, T, V] against targets [B, T], computed a block
+    of `block_tokens` tokens at a time (x: [B, T, D], what the head reads)."""
+
+    def ce(p, x_block, t_block):
+        return optax.softmax_cross_entropy_with_integer_labels(logits_fn(p, x_block), t_block)
+
+    return over_token_blocks(ce, params, x, targets, block_tokens)
+
+
+def _head(model: LaplaceLM):
+    def logits(p, x_block):  # [..., D] -> [..., V] fp32
+        return model.apply({"params": p}, x_block, method=LaplaceLM.logits)
+
+    return logits
 
 
 def token_losses(
@@ -68,11 +86,23 @@ def token_losses(
     x = model.apply(
         {"params": params}, inputs, reset=reset, layers=layers, method=LaplaceLM.hidden
     )  # [B, T, D]
+    return blocked_cross_entropy(_head(model), params, x, targets, block_tokens)
 
-    def logits(p, x_block):  # [..., D] -> [..., V] fp32
-        return model.apply({"params": p}, x_block, method=LaplaceLM.logits)
 
-    return blocked_cross_entropy(logits, params, x, targets, block_tokens)
+def token_scores(model: LaplaceLM, params, inputs, targets, reset=None, layers=None):
+    """What evaluation reads at every position, a block of tokens at a time: (ce [B, T] fp32,
+    the greedy next token [B, T] int32, `generate.greedy_token`'s Neuron-clean argmax)."""
+    x = model.apply(
+        {"params": params}, inputs, reset=reset, layers=layers, method=LaplaceLM.hidden
+    )  # [B, T, D]
+    logits_fn = _head(model)
+
+    def scores(p, x_block, t_block):
+        logits = logits_fn(p, x_block)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, t_block)
+        return ce, greedy_token(logits)
+
+    return over_token_blocks(scores, params, x, targets)
 
 
 def next_token_losses(model: LaplaceLM, params, tokens, eot_id: int | None = None, layers=None):

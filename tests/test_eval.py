@@ -18,6 +18,7 @@ import pytest
 
 from laplace_jax.loss import next_token_loss
 from laplace_jax.model import LaplaceLM, abstract_params, init_params
+from laplace_jax.sharding import make_mesh
 from laplace_spec.config import get_config
 from train import eval as train_eval
 from train import main as train_main
@@ -184,9 +185,15 @@ def test_passkey_hits_need_every_digit(constant_ckpt, tmp_path):
     assert np.mean([r["accuracy"] for r in rep["results"]]) < 0.5 * digit_acc
 
 
-def test_mqar_on_a_trained_checkpoint_matches_the_model_applied_directly(run, tmp_path, capsys):
+@pytest.mark.parametrize("mesh", [[], ["--mesh", "fsdp=2,context=4"]], ids=["fsdp8", "context4"])
+def test_mqar_on_a_trained_checkpoint_matches_the_model_applied_directly(
+    run, tmp_path, capsys, mesh
+):
+    """Scored through the sharded forward, on every device or with each sequence split into 4
+    slices: the counts of the model applied directly on one device."""
     rep = _eval(
         tmp_path,
+        *mesh,
         "--checkpoint",
         str(run),
         "--task",
@@ -229,7 +236,7 @@ def test_mqar_on_a_trained_checkpoint_matches_the_model_applied_directly(run, tm
 def test_checkpoint_is_read_sharded_over_every_device(run):
     """A 3B checkpoint cannot sit on one core: train.eval places the parameters as training does
     (the FSDP rules table), through train/checkpoint.py's reader, with the saved values."""
-    cfg, params, meta = train_eval.load_checkpoint(run / "checkpoints", 4)
+    cfg, params, meta = train_eval.load_checkpoint(run / "checkpoints", 4, make_mesh())
     assert cfg == TINY and meta["step"] == 4
     kernel = params["lm_head"]["kernel"]  # [D, V]: rows over fsdp
     assert len(kernel.sharding.device_set) == jax.device_count() == 8
@@ -242,10 +249,13 @@ def test_checkpoint_is_read_sharded_over_every_device(run):
 
 
 def test_ppl_is_exp_of_the_mean_loss_fn(run, tmp_path):
+    """Scored with each sequence split over context=2 (fsdp=4): the plain loss on one device."""
     shard = tmp_path / "val_000000.bin"
     write_shard(shard, np.random.default_rng(0).integers(0, 320, 3000))
     rep = _eval(
         tmp_path,
+        "--mesh",
+        "fsdp=4,context=2",
         "--checkpoint",
         str(run),
         "--task",

@@ -122,7 +122,13 @@ def train_plan_resolve(preset, overrides):
 def test_plan_of_the_tiny_trainer(tiny_plan):
     plan = tiny_plan
     assert set(plan["headline"]) == PLAN_KEYS
-    assert plan["batch"] == {"sequences": 16, "accum_steps": 2, "micro_batch": 8, "tokens": 1024}
+    assert plan["batch"] == {
+        "sequences": 16,
+        "accum_steps": 2,
+        "micro_batch": 8,
+        "tokens": 1024,
+        "tokens_per_device": 64,
+    }
     # parameters counted from the name table's shapes (not the accounting under test)
     P = sum(math.prod(e.jax_shape) for e in names.table(get_config("tiny")))
     assert plan["parameters"] == P
@@ -155,6 +161,7 @@ def test_plan_of_the_tiny_trainer(tiny_plan):
     ideal = plan["fsdp_ideal_bytes_received"]
     assert ideal["fsdp_per_micro_step"] == 12 * P * 7 // 8
     assert ideal["data_parallel"] == 0  # a 1-D mesh
+    assert ideal["context_exchange_per_micro_step"] == 0  # no context axis
     assert ideal["total"] == 2 * ideal["fsdp_per_micro_step"] + ideal["muon_a2a"]
     assert step["collectives"]["all-to-all"] == ideal["muon_a2a"]  # Muon's two all_to_alls
     assert step["collectives"]["total"] > 0
@@ -266,3 +273,27 @@ def test_remat_lowers_the_step_memory_of_the_small_preset():
         step = train_plan.make_plan(cfg, make_mesh(8))["programs"]["train_step"]
         temps[remat] = step["memory"]["temporaries"]
     assert temps["layer"] < 0.8 * temps["none"], temps
+
+
+def test_plan_cli_with_a_context_axis(capsys):
+    """`train.plan --mesh fsdp=2,context=4`: each sequence in 4 slices. The slices' exchange is
+    its own collective kind, within 1.25x of its ideal (S states of H x dk x dv fp32 per layer
+    and sequence, forward and backward: a remat'd layer does not exchange again); parameters
+    are split over fsdp x context (gathers of 7/8); every device program is Neuron-clean."""
+    status = train_plan.main(
+        ["--config", "tiny", "global_batch_tokens=512", "--mesh", "fsdp=2,context=4", "--json"]
+    )
+    assert status == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["mesh"] == {FSDP: 2, "context": 4}
+    assert plan["batch"]["tokens_per_device"] == 8 * 64 // 8
+    cfg, P = get_config("tiny"), plan["parameters"]
+    ideal = plan["fsdp_ideal_bytes_received"]
+    gla_bytes = cfg.n_layers * cfg.n_heads * cfg.d_k * cfg.d_v * 4
+    assert ideal["context_exchange_per_micro_step"] == 2 * (8 // 2) * 4 * gla_bytes
+    assert ideal["fsdp_per_micro_step"] == 12 * P * 7 // 8  # gathered over all 8 devices
+    step = plan["programs"]["train_step"]
+    assert step["collectives"]["context-exchange"] > 0
+    assert 0.5 < plan["headline"]["context_exchange_over_ideal"] <= 1.25
+    assert plan["programs"]["eval_step"]["collectives"]["context-exchange"] > 0
+    assert plan["headline"]["neuron_census_violations"] == 0

@@ -24,6 +24,11 @@ Batches are deterministic: batch i of an MQAR cell comes from seed (SEED, 1, T, 
 passkey cell from (SEED, 2, T, round(depth * 1e6), i) (`cell_seed`), never a training batch's
 (seed, step, process).
 
+Scoring runs through the training step's sharded forward (laplace_jax/fsdp.py): parameters split
+over `--mesh` (default every device, fsdp) and gathered layer by layer, and with `context=S` each
+sequence split into S slices, so a long-context checkpoint is scored at its length on many
+devices; every length must then divide into S slices.
+
 Prints a table, writes `OUT/TASK-stepN.json` and `OUT/TASK-stepN.png` (a heat map; for ppl the
 loss by position); `--out` defaults to `RUN/eval/`. A missing or corrupt checkpoint, an unknown
 task or a length that is not a multiple of chunk_size exits with status 2 and a message naming it.
@@ -108,6 +113,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     size.add_argument("--batches", type=int, help="batches per cell / for ppl (N = batches x B)")
     ap.add_argument("--batch-size", type=int, default=0, help="sequences per batch (0: auto)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the generated batches")
+    ap.add_argument(
+        "--mesh",
+        help="fsdp=F[,data=D][,context=S]: the devices, as train.main's flag; context=S splits "
+        "each sequence into S slices (default: every device, fsdp)",
+    )
     ap.add_argument("--out", help="output directory (default: RUN/eval)")
     return ap.parse_args(argv)
 
@@ -146,13 +156,13 @@ def locate(path: str | Path, step: int | None) -> tuple[Path, int, Path]:
     return ckpt_dir, step, run_dir
 
 
-def load_checkpoint(ckpt_dir: Path, step: int) -> tuple[LaplaceConfig, dict, dict]:
-    """(model config, params, meta) of one checkpoint, the params FSDP-sharded over every device
-    (the rules table of laplace_jax/sharding.py, as in training: a model too large for one
-    device is evaluated across them); EvalError naming the checkpoint when it is missing,
-    corrupt or holds other arrays than its config builds (train/checkpoint.py's reader)."""
+def load_checkpoint(ckpt_dir: Path, step: int, mesh) -> tuple[LaplaceConfig, dict, dict]:
+    """(model config, params, meta) of one checkpoint, the params sharded over `mesh` as in
+    training (the rules table of laplace_jax/sharding.py: a model too large for one device is
+    evaluated across them); EvalError naming the checkpoint when it is missing, corrupt or holds
+    other arrays than its config builds (train/checkpoint.py's reader)."""
     from laplace_jax.model import abstract_params
-    from laplace_jax.sharding import abstract_with_shardings, make_mesh, param_shardings
+    from laplace_jax.sharding import abstract_with_shardings, param_shardings
     from train.checkpoint import CheckpointReader, ReadError
 
     where = ckpt_dir / str(step)
@@ -166,7 +176,7 @@ def load_checkpoint(ckpt_dir: Path, step: int) -> tuple[LaplaceConfig, dict, dic
                 cfg = LaplaceConfig.from_dict(meta["model"])
             except (ConfigError, TypeError, ValueError) as e:
                 raise EvalError(f"checkpoint {where}: its model config is invalid ({e})") from e
-            shardings = param_shardings(cfg, make_mesh())
+            shardings = param_shardings(cfg, mesh)
             target = abstract_with_shardings(abstract_params(cfg), shardings)
             params = reader.params(step, target)
     except ReadError as e:
@@ -217,35 +227,48 @@ def auto_batch(length: int, vocab: int, requested: int) -> int:
     return b
 
 
-def make_predict(cfg: LaplaceConfig):
-    from laplace_jax.generate import greedy_token
+def make_scorer(cfg: LaplaceConfig, mesh):
+    """f(params, tokens [B, T + 1] numpy) -> (ce [B, T], greedy next token [B, T]) numpy, from
+    the training step's sharded forward on `mesh` (laplace_jax/fsdp.py `make_token_scores`:
+    weights gathered layer by layer, each sequence split over a context axis, the head a block
+    of tokens at a time). B is padded to a multiple of the mesh's sequence groups."""
+    from laplace_jax.fsdp import make_token_scores
     from laplace_jax.model import LaplaceLM
+    from laplace_jax.sharding import CONTEXT, logical_sharding, param_specs
 
-    model = LaplaceLM(cfg)
+    scores = jax.jit(make_token_scores(LaplaceLM(cfg), mesh, param_specs(cfg, mesh)))
+    groups = mesh.size // mesh.shape.get(CONTEXT, 1)
+    sharding = logical_sharding(mesh, ("batch", "window"))
 
-    @jax.jit
-    def predict(params, inputs):  # inputs [B, T] -> the greedy next token at every position
-        logits, _ = model.apply({"params": params}, inputs)
-        return greedy_token(logits)  # [B, T] int32: argmax's choice, Neuron's reductions
+    def score_tokens(params, tokens):
+        B = tokens.shape[0]
+        padded = np.concatenate([tokens, np.zeros((-B % groups, tokens.shape[1]), tokens.dtype)])
+        ce, greedy = scores(params, jax.device_put(jnp.asarray(padded, jnp.int32), sharding))
+        return np.asarray(ce)[:B], np.asarray(greedy)[:B]
 
-    return predict
+    return score_tokens
 
 
-def check_lengths(flag: str, lengths: list[int], cfg: LaplaceConfig) -> None:
+def check_lengths(flag: str, lengths: list[int], cfg: LaplaceConfig, context: int = 1) -> None:
     for t in lengths:
         if t <= 0 or t % cfg.chunk_size:
             raise EvalError(
                 f"{flag}: {t} is not a positive multiple of the model's chunk_size "
                 f"({cfg.chunk_size}); the chunked forward needs whole chunks"
             )
+        if t % context or t // context < cfg.conv_width:
+            raise EvalError(
+                f"{flag}: {t} does not split into context={context} slices of at least "
+                f"{cfg.conv_width} tokens (the --mesh context axis)"
+            )
 
 
 def eval_grid(
-    task, cfg, params, settings: dict, lengths, values, n, batches, batch_size, seed, say
+    task, cfg, params, settings: dict, lengths, values, n, batches, batch_size, seed, say, mesh
 ):
     """Results of each (length, value) cell of a task (value: pairs for MQAR, depth for
     passkey), and the cells skipped as invalid."""
-    predict = make_predict(cfg)
+    score_tokens = make_scorer(cfg, mesh)
     results, skipped = [], []
     value_key = "num_pairs" if task == "mqar" else "depth"
     for T in lengths:
@@ -263,7 +286,7 @@ def eval_grid(
             prefix = cell_seed(seed, task, T, v)
             for i in range(n_batches):
                 tokens, mask = tasks.generate(task, kw, B, T, (*prefix, i))
-                preds = np.asarray(predict(params, jnp.asarray(tokens[:, :-1])))
+                _, preds = score_tokens(params, tokens)  # [B, T] greedy next tokens
                 for k, c in score(preds, tokens, mask).items():
                     total[k] += c
             token_acc = total["correct"] / total["answers"]
@@ -287,19 +310,15 @@ def eval_grid(
     return results, skipped
 
 
-def eval_ppl(cfg, params, paths, seq_len, n, batch_size, say) -> dict:
+def eval_ppl(cfg, params, paths, seq_len, n, batch_size, say, mesh) -> dict:
     """Perplexity exp(mean token cross-entropy) over the first n windows of the shards."""
-    from laplace_jax.loss import next_token_losses
-    from laplace_jax.model import LaplaceLM
     from train import data as data_lib
 
     try:
         source = data_lib.TokenWindows(paths, seq_len)
     except (data_lib.ShardError, OSError, ValueError) as e:
         raise EvalError(f"--data: {e}") from e
-    model = LaplaceLM(cfg)
-
-    token_losses = jax.jit(lambda p, t: next_token_losses(model, p, t))  # [B, T]
+    score_tokens = make_scorer(cfg, mesh)
 
     windows = min(n, len(source))
     B = auto_batch(seq_len, cfg.vocab_size, batch_size)
@@ -312,7 +331,7 @@ def eval_ppl(cfg, params, paths, seq_len, n, batch_size, say) -> dict:
                 f"--data: token id {int(batch.max())} is outside the model's vocabulary "
                 f"({cfg.vocab_size})"
             )
-        losses = np.asarray(token_losses(params, jnp.asarray(batch)), np.float64)
+        losses = np.asarray(score_tokens(params, batch)[0], np.float64)  # [B, T]
         by_pos += losses.sum(0)
         total += losses.sum()
         count += losses.size
@@ -453,9 +472,17 @@ def task_settings(task: str, args, cfg: LaplaceConfig, run_cfg: dict) -> dict:
 
 def evaluate(args, say=print) -> tuple[dict, Path]:
     """The report of `args` (parsed flags) and the output directory; EvalError on bad input."""
+    from laplace_jax.sharding import CONTEXT
+    from train.cli import mesh_from_flag, mesh_text
+
     ckpt_dir, step, run_dir = locate(args.checkpoint, args.step)
     run_cfg = read_run_config(run_dir)
-    cfg, params, meta = load_checkpoint(ckpt_dir, step)
+    try:
+        mesh = mesh_from_flag(args.mesh)
+    except ConfigError as e:
+        raise EvalError(str(e)) from e
+    context = mesh.shape.get(CONTEXT, 1)
+    cfg, params, meta = load_checkpoint(ckpt_dir, step, mesh)
     n = args.n if args.n is not None else 256
     if n <= 0 or (args.batches is not None and args.batches <= 0) or args.batch_size < 0:
         raise EvalError("--n, --batches and --batch-size must be positive")
@@ -468,13 +495,14 @@ def evaluate(args, say=print) -> tuple[dict, Path]:
         "model": cfg.to_dict(),
         "trained_on": {k: data[k] for k in ("task", "task_params") if k in data} or "token shards",
         "seed": args.seed,
+        "mesh": dict(mesh.shape),
     }
-    say(f"evaluating {args.task} on {ckpt_dir / str(step)}")
+    say(f"evaluating {args.task} on {ckpt_dir / str(step)} (mesh {mesh_text(mesh)})")
     if args.task == "ppl":
         from train import data as data_lib
 
         seq_len = args.seq_len or cfg.seq_len
-        check_lengths("--seq-len", [seq_len], cfg)
+        check_lengths("--seq-len", [seq_len], cfg, context)
         if args.data:
             try:
                 paths = data_lib.expand_shards(args.data)
@@ -488,7 +516,7 @@ def evaluate(args, say=print) -> tuple[dict, Path]:
                 )
         if args.batches is not None:
             n = args.batches * auto_batch(seq_len, cfg.vocab_size, args.batch_size)
-        report["results"] = eval_ppl(cfg, params, paths, seq_len, n, args.batch_size, say)
+        report["results"] = eval_ppl(cfg, params, paths, seq_len, n, args.batch_size, say, mesh)
     else:
         settings = task_settings(args.task, args, cfg, run_cfg)
         data_params = data.get("task_params") if data.get("task") == args.task else {}
@@ -503,7 +531,7 @@ def evaluate(args, say=print) -> tuple[dict, Path]:
             bad = [d for d in values if not 0 <= d <= 1]
             if bad:
                 raise EvalError(f"--depths: {bad[0]} is outside [0, 1]")
-        check_lengths(flag, lengths, cfg)
+        check_lengths(flag, lengths, cfg, context)
         lengths, values = sorted(set(lengths)), sorted(set(values))
         results, skipped = eval_grid(
             args.task,
@@ -517,6 +545,7 @@ def evaluate(args, say=print) -> tuple[dict, Path]:
             args.batch_size,
             args.seed,
             say,
+            mesh,
         )
         key = "seq_lens" if args.task == "mqar" else "context_lens"
         vkey = "pairs" if args.task == "mqar" else "depths"

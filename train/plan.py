@@ -82,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     ap.add_argument("--config", default="small", help="model preset or JSON file")
     ap.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
-    ap.add_argument("--mesh", help="fsdp=N or data=D,fsdp=F (default: all devices, fsdp)")
+    ap.add_argument("--mesh", help="fsdp=F[,data=D][,context=S] (default: all devices, fsdp)")
     ap.add_argument("--devices", type=int, help="simulate N CPU devices (before JAX starts)")
     ap.add_argument("--hbm-gib", type=float, default=24.0, help="memory budget per device")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -109,10 +109,18 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
 
     from laplace_jax import hlo, muon_accounting
     from laplace_jax.accounting import parameter_counts, training_flops_per_token
+    from laplace_jax.context_parallel import EXCHANGE
     from laplace_jax.generate import _decode, _prefill
     from laplace_jax.model import init_params, init_state
     from laplace_jax.optim import muon_plan
-    from laplace_jax.sharding import CONTEXT, DATA, FSDP, logical_sharding, replicated
+    from laplace_jax.sharding import (
+        CONTEXT,
+        DATA,
+        axis_size,
+        logical_sharding,
+        param_axes,
+        replicated,
+    )
     from train.build import build_model
     from train.config import batch_layout
     from train.step import EVAL_BATCH_AXES, TRAIN_BATCH_AXES
@@ -159,26 +167,34 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
         compiled = lower().compile()
         text = compiled.as_text()
         collectives = hlo.collectives(text, n)
+        scopes = {"context-exchange": EXCHANGE}  # the slices' exchange, its own kind
         report[name] = {
             "compile_s": round(time.perf_counter() - t0, 1),
             "memory": memory(compiled, hbm_gib),
-            "collectives": hlo.collective_bytes(collectives),
+            "collectives": hlo.collective_bytes(collectives, scopes=scopes),
             "collectives_as_compiled_here": hlo.collective_bytes(
-                collectives, target_forms_reduce_scatter=False
+                collectives, target_forms_reduce_scatter=False, scopes=scopes
             ),
             "census": hlo.neuron_census(text),
             "runs_on": "host" if name in on_host else "devices",
         }
 
     P = parameter_counts(m)["total_params"]
-    f, d = mesh.shape[FSDP], mesh.shape.get(DATA, 1)
+    f, d = axis_size(mesh, param_axes(mesh)), mesh.shape.get(DATA, 1)  # f: fsdp (x context)
+    S = mesh.shape.get(CONTEXT, 1)
     muon_received = muon_accounting.bytes_per_device(muon_plan(cfg.optim, abs_params, mesh)) // 2
     gathered = jnp.dtype(m.compute_dtype).itemsize  # weights travel in the compute dtype
     fsdp_micro = (2 * gathered + 4) * P * (f - 1) // f  # gathers twice + fp32 reduce-scatter
     data_step = 2 * (4 * P // f) * (d - 1) // d  # all-reduce of the fp32 gradient shard
+    # docs/design.md s11: S states of H x dk x dv fp32 per layer and sequence, forward and
+    # backward, for each sequence a device holds a slice of (0 without a context axis)
+    local_sequences = M * S // n
+    gla_states = m.state_bytes_per_sequence()["gla"]  # all layers' H x dk x dv x 4 bytes
+    exchange_micro = 2 * local_sequences * S * gla_states if S > 1 else 0
     ideal = {"fsdp_per_micro_step": fsdp_micro, "data_parallel": data_step}
     ideal["muon_a2a"] = muon_received
-    ideal["total"] = A * fsdp_micro + data_step + muon_received
+    ideal["context_exchange_per_micro_step"] = exchange_micro
+    ideal["total"] = A * (fsdp_micro + exchange_micro) + data_step + muon_received
     step = report["train_step"]
     step_tokens = B * m.seq_len
     flops = 6 * P * step_tokens
@@ -198,6 +214,9 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
         "modelled_trn2_step_s": round(compute_s + comm_s, 3),
         "train_flops_per_step": float(flops),
     }
+    if S > 1:  # the slices' exchange against its ideal (docs/design.md s11)
+        exchanged = step["collectives"]["context-exchange"]
+        headline["context_exchange_over_ideal"] = round(exchanged / (A * exchange_micro), 3)
     return {
         "headline": headline,
         "config": {
@@ -206,7 +225,13 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
             "optim": cfg.optim.to_dict(),
         },
         "mesh": dict(mesh.shape),
-        "batch": {"sequences": B, "accum_steps": A, "micro_batch": M, "tokens": step_tokens},
+        "batch": {
+            "sequences": B,
+            "accum_steps": A,
+            "micro_batch": M,
+            "tokens": step_tokens,
+            "tokens_per_device": M * m.seq_len // n,  # of a micro-batch
+        },
         "parameters": P,
         "hbm_gib": hbm_gib,
         "programs": report,
@@ -254,7 +279,8 @@ def print_table(plan: dict) -> None:
         f"{plan['parameters']:,} parameters; budget {plan['hbm_gib']:g} GiB per device"
     )
     head = f"{'program':18s} {'args':>8s} {'temps':>8s} {'peak GiB':>9s} {'fits':>5s}"
-    head += f" {'gather':>9s} {'red-scat':>9s} {'all-red':>9s} {'a2a':>9s} {'census':>7s}"
+    head += f" {'gather':>9s} {'red-scat':>9s} {'all-red':>9s} {'a2a':>9s} {'ctx-exch':>9s}"
+    head += f" {'census':>7s}"
     print(head + "   (memory GiB per device; collectives MB received per device)")
     for name, p in plan["programs"].items():
         mem, col = p["memory"], p["collectives"]
@@ -263,7 +289,7 @@ def print_table(plan: dict) -> None:
             f"{mem['peak'] / GIB:9.2f} {'yes' if mem['fits'] else 'NO':>5s} "
             f"{col['all-gather'] / 1e6:9.1f} {col['reduce-scatter'] / 1e6:9.1f} "
             f"{col['all-reduce'] / 1e6:9.1f} {col['all-to-all'] / 1e6:9.1f} "
-            f"{p['census']['violations']:7d}"
+            f"{col['context-exchange'] / 1e6:9.1f} {p['census']['violations']:7d}"
         )
     ideal, model = plan["fsdp_ideal_bytes_received"], plan["modelled_trn2"]
     print(
@@ -271,6 +297,14 @@ def print_table(plan: dict) -> None:
         f" GB vs FSDP ideal {ideal['total'] / 1e9:.2f} GB: "
         f"{h['collective_bytes_over_fsdp_ideal']:.2f}x"
     )
+    if "context_exchange_over_ideal" in h:
+        exchanged = plan["programs"]["train_step"]["collectives"]["context-exchange"]
+        exchange_ideal = ideal["context_exchange_per_micro_step"] * b["accum_steps"]
+        print(
+            f"context exchange {exchanged / 1e6:.1f} MB vs its ideal {exchange_ideal / 1e6:.1f} MB "
+            "(S x H x dk x dv x 4 bytes per layer and sequence, forward and backward): "
+            f"{h['context_exchange_over_ideal']:.2f}x"
+        )
     print(
         f"training FLOPs per step {h['train_flops_per_step']:.3e}; modelled trn2 step, a floor: "
         f"{model['step_s']:.2f} s (compute {model['compute_s']:.2f} s at the bf16 peak + "
