@@ -34,7 +34,7 @@ outputs need the last inputs of the slice before: each device sends its last W i
 before the last document start of its slice zeroed, as `laplace_jax.model.trailing_window`
 keeps them for a prefill) one step along the axis with a `ppermute`; the first slice receives
 zeros, the empty window of a sequence's start. A document starting at a slice's first token is a
-reset there (computed on the whole sequence before it was split), which discards that window.
+reset there (read from the last input of the slice before), which discards that window.
 
 Targets: laplace_jax/loss.py's `next_token_slice` cuts each device's slice of inputs, targets
 and document starts from the whole token windows, with no collective.

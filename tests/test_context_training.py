@@ -166,16 +166,41 @@ def _train(run_dir, *flags):
 
 def test_train_main_with_context_4_logs_the_one_device_losses_and_restores_elsewhere(tmp_path):
     """`train.main --mesh fsdp=2,context=4` logs the losses of the same run on one device
-    (1e-5: the reduction order differs); its checkpoint restored onto `fsdp=8` (no context
-    axis) continues the same loss curve."""
-    steps = ["--ckpt-every", "2", "eval_every=0"]
-    cp = _train(tmp_path / "cp", "--mesh", "fsdp=2,context=4", "--steps", "2", *steps)
+    (1e-5: the reduction order differs); its step-2 checkpoint restored onto `fsdp=8` (no
+    context axis) continues the same loss curve."""
+    steps = ["--steps", "4", "--ckpt-every", "2", "keep_checkpoints=2", "eval_every=0"]
+    cp = _train(tmp_path / "cp", "--mesh", "fsdp=2,context=4", *steps)
+    one = _train(tmp_path / "one", "--mesh", "fsdp=1", *steps)
     moved = tmp_path / "moved"
     shutil.copytree(tmp_path / "cp", moved)
-    cp = _train(tmp_path / "cp", "--mesh", "fsdp=2,context=4", "--steps", "4", *steps)
-    one = _train(tmp_path / "one", "--mesh", "fsdp=1", "--steps", "4", *steps)
-    elsewhere = _train(moved, "--mesh", "fsdp=8", "--steps", "4", *steps)
+    shutil.rmtree(moved / "checkpoints" / "4")  # resume from step 2, on another mesh
+    elsewhere = _train(moved, "--mesh", "fsdp=8", *steps)
     assert sorted(cp) == sorted(one) == sorted(elsewhere) == [1, 2, 3, 4]
     np.testing.assert_allclose([cp[s] for s in cp], [one[s] for s in cp], rtol=1e-5)
     np.testing.assert_allclose([elsewhere[s] for s in (3, 4)], [cp[3], cp[4]], rtol=1e-5)
     assert abs(cp[4] - cp[1]) > 1e-3  # the run learned: the losses compared are not constant
+
+
+def test_init_from_goes_on_at_a_longer_length_with_context_and_refuses_another_model(
+    tmp_path, capsys
+):
+    """`--init-from` a 64-token run: a run at 128 tokens, each sequence over context=2, starts
+    from its parameters (its first loss is the trained model's, far below a fresh model's) with
+    a fresh optimizer; a run of another model is refused, naming the field, changing nothing."""
+    short = _train(tmp_path / "short", "--mesh", "fsdp=8", "--steps", "30", "eval_every=0")
+    longer = ["seq_len=128", "--mesh", "fsdp=4,context=2", "--steps", "2", "eval_every=0"]
+    fresh = _train(tmp_path / "fresh", *longer)
+    capsys.readouterr()
+    extended = _train(tmp_path / "long", "--init-from", str(tmp_path / "short"), *longer)
+    out = capsys.readouterr().out
+    assert f"initialised from the parameters of {tmp_path / 'short' / 'checkpoints' / '30'}" in out
+    assert extended[1] < fresh[1] - 1.0 and abs(extended[1] - short[30]) < 0.5, (extended, short)
+    from train import main as train_main
+
+    args = ["--config", "tiny", "--run-dir", str(tmp_path / "other"), "--no-progress"]
+    args += ["--init-from", str(tmp_path / "short"), "d_model=128", "d_v=32", "--steps", "1"]
+    assert train_main.main(args) == 2
+    err = capsys.readouterr().err
+    assert "holds another model (only seq_len may differ)" in err and "d_model" in err
+    assert not list((tmp_path / "other").rglob("[0-9]*"))  # no checkpoint step written
+    assert not (tmp_path / "other" / "metrics.jsonl").exists()

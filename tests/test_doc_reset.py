@@ -266,7 +266,4 @@ def test_fsdp_loss_gradients_equal_separate_documents():
     # the same math as the plain model's loss with resets: only summation order differs
     packed_ref = jax.jit(jax.grad(lambda p, t: next_token_loss(model, p, t, EOT)))(params, tokens)
     assert _max_rel(grads, packed_ref) < 1e-3
-    # with the answer-position mask of train/tasks.py as well
-    mask = jnp.asarray(np.random.default_rng(4).random((8, 64)) < 0.5)
-    loss_m, _ = jax.jit(fn)(params, jax.device_put(tokens, batch), jax.device_put(mask, batch))
-    assert np.isfinite(float(loss_m))
+    # resets with a task's answer mask: tests/test_context_training.py (against the plain model)

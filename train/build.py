@@ -1,10 +1,11 @@
 """The model of a run: its shardings, abstract state, optimizer and jitted steps (`build_model`),
 then its state, restored from the newest good checkpoint or initialised (on the devices, or on
-the host CPU with `init_on_host=true`)."""
+the host CPU with `init_on_host=true`, or with `--init-from` from another run's parameters)."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -13,7 +14,13 @@ import jax.numpy as jnp
 from laplace_jax.sharding import abstract_with_shardings
 from laplace_spec.config import ConfigError
 from train import config as train_config
-from train.checkpoint import Checkpointer, RestoreError, config_diff
+from train.checkpoint import (
+    Checkpointer,
+    CheckpointReader,
+    ReadError,
+    RestoreError,
+    config_diff,
+)
 from train.config import RunConfigs
 
 
@@ -56,10 +63,14 @@ def build_model(
     }
 
 
-def restore_or_init(cfg: RunConfigs, parts, ckpt: Checkpointer, batches):
+def restore_or_init(
+    cfg: RunConfigs, parts, ckpt: Checkpointer, batches, init_from: str | None = None
+):
     """(train state, start step, notice lines): the newest good checkpoint, or a new state when
-    there is none. Raises RestoreError (nothing changed) when checkpoints exist but none can be
-    restored, or when they belong to another model or layout."""
+    there is none, its parameters read from `init_from` when given (`params_from`). Raises
+    RestoreError (nothing changed) when checkpoints exist but none can be restored, or when they
+    belong to another model or layout, or when `init_from` cannot be read or holds another
+    model."""
     from laplace_jax.model import init_params
 
     proc = jax.process_index()
@@ -84,7 +95,10 @@ def restore_or_init(cfg: RunConfigs, parts, ckpt: Checkpointer, batches):
         notes.append(f"resumed from {ckpt.directory / str(start)} at step {start}")
     else:
         start = 0
-        if cfg.train.init_on_host:
+        if init_from is not None:
+            params, where = params_from(init_from, cfg.model, parts["abs_params"])
+            notes.append(f"initialised from the parameters of {where} (a fresh optimizer)")
+        elif cfg.train.init_on_host:
             params = init_params_on_host(cfg.model, cfg.train.seed, parts["p_shard"])
         else:
             key = jax.random.key(cfg.train.seed)
@@ -93,6 +107,40 @@ def restore_or_init(cfg: RunConfigs, parts, ckpt: Checkpointer, batches):
         opt_state = jax.jit(parts["tx"].init, out_shardings=parts["o_shard"])(params)
     bad_streak = jax.device_put(jnp.zeros((), jnp.int32), parts["state_shard"]["bad_streak"])
     return {"params": params, "opt_state": opt_state, "bad_streak": bad_streak}, start, notes
+
+
+def params_from(path: str, model_cfg, abs_params) -> tuple[dict, Path]:
+    """`--init-from PATH` (a run, its checkpoint directory or one step's directory; the newest
+    step unless a step is named): (its parameters placed as `abs_params` says, the step's
+    directory). The model must be this run's but for `seq_len`: that is how a model trained on
+    short sequences goes on at longer ones (docs/design.md s11). RestoreError names what differs."""
+    from laplace_spec.config import LaplaceConfig
+
+    p = Path(path).absolute()
+    step = None
+    if p.name.isdigit() and (p / "params").is_dir():
+        p, step = p.parent, int(p.name)
+    elif (p / "checkpoints").is_dir():
+        p = p / "checkpoints"
+    try:
+        with CheckpointReader(p) as reader:
+            step = reader.step(step)
+            meta = reader.meta(step) or {}
+            try:
+                saved = LaplaceConfig.from_dict(meta["model"])
+            except (KeyError, TypeError, ValueError, ConfigError) as e:
+                raise RestoreError(f"--init-from {path}: no valid model config ({e})") from e
+            differs = config_diff(
+                saved.replace(seq_len=model_cfg.seq_len).to_dict(), model_cfg.to_dict()
+            )
+            if differs:
+                raise RestoreError(
+                    f"--init-from {p / str(step)} holds another model (only seq_len may differ): "
+                    + "; ".join(differs)
+                )
+            return reader.params(step, abs_params), p / str(step)
+    except ReadError as e:
+        raise RestoreError(f"--init-from {path}: {e}") from e
 
 
 def init_params_on_host(model_cfg, seed: int, shardings) -> dict:

@@ -42,6 +42,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         f"of a context group (default: all devices, {FSDP})",
     )
     ap.add_argument("--run-dir", default="runs/default", help="run directory")
+    ap.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="start from the parameters of another run's checkpoint (its run, checkpoints or "
+        "step directory; the newest step unless a step is named): the same model but for "
+        "seq_len, e.g. to go on at longer sequences; the optimizer, data and step start fresh. "
+        "Ignored when this run resumes from its own checkpoint",
+    )
     ap.add_argument("--ckpt-dir", help="checkpoint directory (default: RUN_DIR/checkpoints)")
     ap.add_argument("--ckpt-every", type=int, help="steps between checkpoints")
     ap.add_argument("--log-every", type=int, help="steps between metrics lines")

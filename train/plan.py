@@ -2,12 +2,12 @@
 
     python -m train.plan --config laplace-3b --devices 64 micro_batch_size=64 [--json]
 
-The configuration flags are `train.main`'s (`--config`, `key=value`, `--mesh`,
-`--global-batch-tokens`); `--devices N` simulates N CPU devices (set before JAX starts). Every
-input is a `jax.ShapeDtypeStruct` with its sharding, so nothing of the model's size is allocated:
-this is how a 3B step for 64 NeuronCores is checked on a 2-core CPU. For each program (parameter
-init, optimizer init, the train step with its accumulation, the eval step, generation prefill and
-decode) it reports:
+The configuration flags are `train.main`'s (`--config`, `key=value`, `--mesh` with its `data`,
+`fsdp` and `context` axes, `--global-batch-tokens`); `--devices N` simulates N CPU devices (set
+before JAX starts). Every input is a `jax.ShapeDtypeStruct` with its sharding, so nothing of the
+model's size is allocated: this is how a 3B step for 64 NeuronCores is checked on a 2-core CPU.
+For each program (parameter init, optimizer init, the train step with its accumulation, the eval
+step, generation prefill and decode) it reports:
 
 - memory per device from XLA's `memory_analysis()` (arguments, outputs, temporaries, aliased,
   peak), against `--hbm-gib` (24 GiB: a trn2 logical NeuronCore at LNC=2);
@@ -19,9 +19,14 @@ decode) it reports:
 
 For the train step it adds the FSDP ideal (docs/design.md s8: weights gathered in the compute dtype
 for the forward and again for the rematerialised backward, gradients reduce-scattered in fp32:
-8 P (n-1)/n bytes per micro-step in bf16, 12 P (n-1)/n in fp32, over an `fsdp` group of n,
-plus on a `data x fsdp` mesh the all-reduce of each fp32 gradient shard across `data` once per
-step, plus Muon's two all_to_alls once per step; all counted as bytes received), the training
+8 P (n-1)/n bytes per micro-step in bf16, 12 P (n-1)/n in fp32, over a gather group of n, the
+`fsdp` devices, or `fsdp x context` with a context axis, plus on a `data x fsdp` mesh the
+all-reduce of each fp32 gradient shard across `data` once per step, plus Muon's two all_to_alls
+once per step; all counted as bytes received). With a context axis (docs/design.md s11) the
+slices' exchange is reported as its own collective kind, `context-exchange` (the collectives
+traced under laplace_jax/context_parallel.py's name scope), beside its ideal: S states of
+H x dk x dv fp32 per layer and per sequence a device holds a slice of, forward and backward. The
+headline adds `context_exchange_over_ideal`, and the plan `tokens_per_device`. Then the training
 FLOPs per step (6 x parameters x tokens, the write-up's count), and a modelled trn2 step time:
 a floor from stated assumptions (`TRN2`), the step's FLOPs at the Tensor Engine's peak plus its
 collective bytes at NeuronLink's bandwidth, not overlapped; no measured step goes into it.

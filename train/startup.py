@@ -59,7 +59,7 @@ def set_up(args) -> Trainer:
         restart_aside(run_dir, ckpt_dir, say)
     ckpt = Checkpointer(ckpt_dir, cfg.train.keep_checkpoints, cfg.train.async_checkpoints)
     try:
-        state, start, notes = restore_or_init(cfg, parts, ckpt, batches)
+        state, start, notes = restore_or_init(cfg, parts, ckpt, batches, args.init_from)
     except BaseException:
         ckpt.close()
         raise
