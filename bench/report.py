@@ -252,6 +252,91 @@ def plan() -> str:
     )
 
 
+def long_context() -> str:
+    """The 3B plan's long-sequence rows beside the 2,048-token recipe (bench.plan)."""
+    d = load("plan")
+    h, gib = d["headline"], 1024**3
+    recipe_step = d["programs"]["train_step"]
+    rows = [
+        [
+            "2,048 (the recipe)",
+            "fsdp=64",
+            f"{d['batch']['accum_steps']} x {d['batch']['micro_batch']}",
+            f"{d['batch']['tokens_per_device']:,}",
+            f"{recipe_step['memory']['peak'] / gib:.2f}",
+            f"{(recipe_step['collectives']['total']) / 1e9:.1f}",
+            "-",
+            f"{recipe_step['census']['violations']}",
+            f"{d['modelled_trn2']['step_s']:.2f}",
+            "1.00x",
+        ]
+    ]
+    for r in d["long_context"].values():
+        col, b = r["collectives"], r["batch"]
+        exchange_ideal = r["ideal"]["context_exchange_per_micro_step"] * b["accum_steps"]
+        rows.append(
+            [
+                f"{r['seq_len']:,}",
+                ",".join(f"{k}={v}" for k, v in r["mesh"].items()),
+                f"{b['accum_steps']} x {b['micro_batch']}",
+                f"{b['tokens_per_device']:,}",
+                f"{r['train_step_memory']['peak'] / gib:.2f}",
+                f"{col['total'] / 1e9:.1f}",
+                f"{col['context-exchange'] / 1e6:,.1f} / {exchange_ideal / 1e6:,.1f} "
+                f"({ratio(r['context_exchange_over_ideal'])})",
+                f"{r['neuron_census_violations']}",
+                f"{r['modelled_trn2']['step_s']:.2f}",
+                ratio(r["cost_per_token_over_2k"], 3),
+            ]
+        )
+    head = ["tokens per sequence", "mesh", "accum x micro", "tokens per device", "peak GiB"]
+    head += ["collectives GB", "context exchange MB / ideal", "census", "modelled step s"]
+    head += ["cost per token vs 2,048"]
+    commands = "\n".join(f"    {r['command']}" for r in d["long_context"].values())
+    return (
+        "`python -m bench.plan` (Laplace 3B, 64 simulated devices, compiled only), each long row "
+        "being\n\n" + commands + "\n\n" + table(head, rows) + "\n\n"
+        f"Peak memory per device of the train step: **{h['train_step_gib_per_device_32k']:.2f} "
+        f"GiB at 32,768 tokens per sequence, {h['train_step_gib_per_device_128k']:.2f} GiB at "
+        f"131,072, {h['train_step_gib_per_device_1m']:.2f} GiB at 1,048,576**. Modelled cost per "
+        f"token at 1,048,576 tokens against the 2,048-token recipe: "
+        f"**{ratio(h['cost_per_token_1m_over_2k'], 3)}**. The exchange is counted from the "
+        "compiled HLO (collectives under the `context_exchange` name scope, their transposes "
+        "included) against its ideal of S x H x d_k x d_v x 4 bytes per layer and sequence, "
+        "forward and backward."
+    )
+
+
+def long_context_passkey() -> str:
+    """bench.long_context: passkey of a tiny Laplace trained with sequences over 4 devices."""
+    d = load("long_context")
+    contexts, depths = d["contexts"], d["depths"]
+    rows = []
+    for r in d["models"].values():
+        acc = {(c["context"], c["depth"]): c["accuracy"] for c in r["cells"]}
+        how = "from the 64-token model, " if r["init_from"] else ""
+        name = (
+            f"trained at {r['trained_seq_len']:,} tokens ({how}{r['steps']:,} steps of "
+            f"{r['sequences_per_step']} sequences, {r['mesh']})"
+        )
+        rows.append(
+            [name, f"{r['final_loss']:.3f}"]
+            + [" / ".join(pct(acc[(T, z)], 0) for z in depths) for T in contexts]
+        )
+    head = ["passkey model", "final loss"]
+    head += [f"{T:,} tokens: depth " + " / ".join(f"{z:g}" for z in depths) for T in contexts]
+    minutes = " + ".join(f"{r['train_s'] / 60:.1f}" for r in d["models"].values())
+    scoring = " + ".join(f"{r['eval_s'] / 60:.1f}" for r in d["models"].values())
+    mesh = d["models"]["long"]["eval_mesh"]
+    return (
+        f"`python -m bench.long_context`, each model scored with `train.eval --mesh "
+        f"{','.join(f'{k}={v}' for k, v in mesh.items())}` on 256 fresh sequences per cell (a hit "
+        f"needs all 5 digits). Training took {minutes} minutes and scoring {scoring} minutes "
+        f"(in the rows' order) on this 2-core CPU with {d['context']} simulated devices.\n\n"
+        + table(head, rows)
+    )
+
+
 def serve() -> str:
     d = load("serve")
     h = d["headline"]
@@ -434,6 +519,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "muon": muon,
     "train": train,
     "plan": plan,
+    "long-context": long_context,
+    "long-context-passkey": long_context_passkey,
     "serve": serve,
     "prefix": prefix,
     "retrieval-mqar": retrieval_mqar,

@@ -34,7 +34,7 @@ split (the rules table's `length`). The decoder layers are `DecoderLayer`s with
 ppermute for the conv). Parameters are split over `fsdp x context`, so the gathers and the
 gradients' reduce-scatter run over both axes, and a slice's gradient is summed with the other
 slices' there. The mean is over every scored target of the micro-batch, all slices together.
-`tests/test_context_parallel.py` checks loss and gradients against the plain model.
+`tests/test_context_training.py` checks loss and gradients against the plain model.
 """
 
 from __future__ import annotations

@@ -617,7 +617,10 @@ def test_fsdp_and_2d_mesh_steps_equal_the_1_device_step():
 def test_mesh_flag():
     assert dict(cli.mesh_from_flag("fsdp=4").shape) == {"fsdp": 4}
     assert dict(cli.mesh_from_flag("data=2,fsdp=4").shape) == {"data": 2, "fsdp": 4}
-    for bad in ("fsdp=x", "data=2", "tp=2,fsdp=4", "data=3,fsdp=3"):
+    assert dict(cli.mesh_from_flag("fsdp=2,context=4").shape) == {"fsdp": 2, "context": 4}
+    mesh = cli.mesh_from_flag("data=2,fsdp=2,context=2")
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "context": 2}
+    for bad in ("fsdp=x", "data=2", "tp=2,fsdp=4", "data=3,fsdp=3", "fsdp=4,context=0"):
         with pytest.raises(ConfigError):
             cli.mesh_from_flag(bad)
 
@@ -686,6 +689,13 @@ def test_batch_layout():
         batch_layout(TrainConfig(global_batch_tokens=1000), 64, 1)
     with pytest.raises(ConfigError, match="divide over the 8 devices"):
         batch_layout(TrainConfig(global_batch_tokens=4 * 64), 64, 8)
+    # 3B at 32,768 tokens: 16 sequences cannot go over 64 devices, but over 16 context groups
+    long = TrainConfig(global_batch_tokens=524_288)
+    with pytest.raises(ConfigError, match="64 devices of the mesh.*context=S"):
+        batch_layout(long, 32_768, 64)
+    assert batch_layout(long, 32_768, 64, context=4) == (16, 1, 16)
+    with pytest.raises(ConfigError, match="into context=3 equal slices"):
+        batch_layout(long, 32_768, 48, context=3)
 
 
 def test_optimizer_presets_exist_for_the_train_presets():
