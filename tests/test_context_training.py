@@ -204,3 +204,22 @@ def test_init_from_goes_on_at_a_longer_length_with_context_and_refuses_another_m
     assert "holds another model (only seq_len may differ)" in err and "d_model" in err
     assert not list((tmp_path / "other").rglob("[0-9]*"))  # no checkpoint step written
     assert not (tmp_path / "other" / "metrics.jsonl").exists()
+
+
+def test_a_context_group_across_processes_is_refused():
+    """Each process loads its own sequences: the devices sharing one must share a process."""
+    from types import SimpleNamespace
+
+    from laplace_spec.config import ConfigError
+    from train.startup import check_context_groups
+
+    def mesh(context, processes):  # a mesh's shape and its devices' process indices
+        devices = np.array([SimpleNamespace(process_index=p) for p in processes], dtype=object)
+        return SimpleNamespace(
+            shape={"fsdp": len(processes) // context, "context": context},
+            devices=devices.reshape(-1, context),
+        )
+
+    check_context_groups(mesh(2, [0, 0, 1, 1]))  # a group per process
+    with pytest.raises(ConfigError, match="a context group of 4 devices spans processes"):
+        check_context_groups(mesh(4, [0, 0, 1, 1]))

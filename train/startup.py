@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 
 from laplace_jax.sharding import CONTEXT, param_axes
+from laplace_spec.config import ConfigError
 from train import cli
 from train.build import build_model, restore_or_init
 from train.checkpoint import Checkpointer
@@ -45,6 +46,7 @@ def set_up(args) -> Trainer:
     else:
         train_paths, val_paths, tokenizer_src = [], [], None
     mesh = cli.mesh_from_flag(args.mesh)
+    check_context_groups(mesh)
     cfg = with_table_peak(cfg, mesh)
     layout = batch_layout(
         cfg.train, cfg.model.seq_len, mesh.size, jax.process_count(), mesh.shape.get(CONTEXT, 1)
@@ -105,6 +107,20 @@ def set_up(args) -> Trainer:
     )
     announce(t, args.config, train_tokens, [*cfg.notices, *notes])
     return t
+
+
+def check_context_groups(mesh) -> None:
+    """Each process loads its own sequences, so every device of a context group (the devices
+    that share one sequence) must belong to one process; ConfigError otherwise."""
+    S = mesh.shape.get(CONTEXT, 1)
+    groups = mesh.devices.reshape(-1, S)  # context is the innermost mesh axis
+    split = [g for g in groups if len({d.process_index for d in g}) > 1]
+    if split:
+        raise ConfigError(
+            f"--mesh: a context group of {S} devices spans processes "
+            f"({sorted({d.process_index for d in split[0]})}); each process loads its own "
+            "sequences, so use a context axis no larger than one process's devices"
+        )
 
 
 def replication_notice(fallbacks: list[str], mesh, show: int = 4) -> str:
