@@ -239,7 +239,8 @@ def test_fsdp_loss_gradients_equal_separate_documents():
     lengths = (16, 21, 28)  # inputs are the first 64 of the 65 tokens
     mesh = make_mesh(8, data=1)
     batch = logical_sharding(mesh, EVAL_BATCH_AXES)
-    params = jax.device_put(init_params(TINY, jax.random.key(0)), param_shardings(TINY, mesh))
+    host = init_params(TINY, jax.random.key(0))  # the references run on one device
+    params = jax.device_put(host, param_shardings(TINY, mesh))
     tokens = _docs(lengths, 8, seed=3)
     model = LaplaceLM(TINY)
 
@@ -253,7 +254,7 @@ def test_fsdp_loss_gradients_equal_separate_documents():
             total = total + ce.sum()
         return total / targets.size
 
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(separate))(params, tokens)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(separate))(host, tokens)
     fn = make_loss_and_grad(model, mesh, param_specs(TINY, mesh), "layer", eot_id=EOT)
     loss, grads = jax.jit(fn)(params, jax.device_put(tokens, batch))
     assert abs(float(loss) - float(ref_loss)) < 1e-6 * abs(float(ref_loss))
@@ -261,9 +262,9 @@ def test_fsdp_loss_gradients_equal_separate_documents():
     # a rounding-level change per token shows as ~1e-4 of a leaf's largest entry (computed in
     # float64 the packed and separate gradients agree to 3e-15); without resets: ~1e-1
     assert _max_rel(grads, ref_grads) < 1e-3
-    plain = jax.jit(jax.grad(lambda p, t: next_token_loss(model, p, t)))(params, tokens)
+    plain = jax.jit(jax.grad(lambda p, t: next_token_loss(model, p, t)))(host, tokens)
     assert _max_rel(plain, ref_grads) > 1e-2
     # the same math as the plain model's loss with resets: only summation order differs
-    packed_ref = jax.jit(jax.grad(lambda p, t: next_token_loss(model, p, t, EOT)))(params, tokens)
+    packed_ref = jax.jit(jax.grad(lambda p, t: next_token_loss(model, p, t, EOT)))(host, tokens)
     assert _max_rel(grads, packed_ref) < 1e-3
     # resets with a task's answer mask: tests/test_context_training.py (against the plain model)
