@@ -36,45 +36,23 @@ import time
 from pathlib import Path
 
 from bench.common import write_result
-from bench.retrieval import PASSKEY_DEPTHS, PASSKEY_LR, model_overrides
+from bench.retrieval import PASSKEY_DEPTHS, PASSKEY_LR, train_args
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def train_command(
-    run_dir: Path, seq_len: int, sequences: int, mesh: str, steps: int, init_from=None
-) -> list:
-    """The `python -m train.main` arguments of one passkey model."""
-    return [
-        "--config",
-        "tiny",
-        "--task",
-        "passkey:depth=-1",
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
-        "--steps",
-        str(steps),
-        "--mesh",
-        mesh,
-        "--global-batch-tokens",
-        str(sequences * seq_len),
-        "--ckpt-every",
-        str(steps),
-        "--log-every",
-        "25",
-        *([] if init_from is None else ["--init-from", str(init_from)]),
-        *model_overrides(64, 4, 2048.0),
-        f"seq_len={seq_len}",
-        "seed=0",
-        f"total_steps={steps}",
-        "warmup_steps=20",
-        "eval_every=0",
-        "sample_tokens=0",
-        "peak_flops=1e11",
-        "async_checkpoints=false",
-        f"lr={PASSKEY_LR:g}",
-    ]
+def passkey_spec(seq_len: int) -> dict:
+    """The retrieval benchmark's passkey Laplace (bench/retrieval.py), at `seq_len` tokens."""
+    return {
+        "mixer": "gla",
+        "d_model": 64,
+        "heads": 4,
+        "t_max": 2048.0,
+        "seq_len": seq_len,
+        "seed": 0,
+        "lr": PASSKEY_LR,
+        "task": "passkey:depth=-1",
+    }
 
 
 def run(module: str, args: list, devices: int) -> float:
@@ -96,7 +74,9 @@ def study(
     """Train one model and score it; its losses, cells and timings."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    command = train_command(run_dir, seq_len, sequences, mesh, steps, init_from)
+    command = train_args(
+        run_dir, passkey_spec(seq_len), steps, mesh, sequences * seq_len, 25, init_from
+    )
     say(f"{name}: python -m train.main {' '.join(command)}")
     train_s = run("train.main", command, devices)
     out = run_dir / "eval"

@@ -101,8 +101,17 @@ def state_per_layer(d_model: int, heads: int) -> int:
     return heads * (d_v // 2) * d_v  # H x d_k x d_v
 
 
-def train_args(run_dir: Path, spec: dict, steps: int) -> list[str]:
-    """The `python -m train.main` arguments of one model."""
+def train_args(
+    run_dir: Path,
+    spec: dict,
+    steps: int,
+    mesh: str = "fsdp=1",
+    batch_tokens: int = 2048,
+    log_every: int = 50,
+    init_from: Path | None = None,
+) -> list[str]:
+    """The `python -m train.main` arguments of one model (`init_from`: start from that run's
+    parameters, `--init-from`; bench/long_context.py)."""
     return [
         "--config",
         "tiny",
@@ -114,13 +123,14 @@ def train_args(run_dir: Path, spec: dict, steps: int) -> list[str]:
         "--steps",
         str(steps),
         "--mesh",
-        "fsdp=1",
+        mesh,
         "--global-batch-tokens",
-        "2048",
+        str(batch_tokens),
         "--ckpt-every",
         str(steps),
         "--log-every",
-        "50",
+        str(log_every),
+        *([] if init_from is None else ["--init-from", str(init_from)]),
         *model_overrides(spec["d_model"], spec["heads"], spec["t_max"]),
         f"token_mixer={spec['mixer']}",
         f"seq_len={spec['seq_len']}",
