@@ -25,32 +25,38 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     return F.layer_norm(x.to(f32), x.shape[-1:], weight.to(f32), None, eps).to(x.dtype)
 
 
+def conv_taps(weight: torch.Tensor) -> torch.Tensor:
+    """weight [D, W] (the exported layout) -> taps [W, D], each tap's D weights contiguous: a
+    product with a strided column of `weight` takes torch's slow elementwise path."""
+    return weight.t().contiguous()
+
+
 def causal_conv(h, window, weight, bias):
     """u_t = SiLU(b + sum_j w[:, j] h_{t-W+1+j}).
 
     h: [B, T, D] new inputs; window: [B, W, D] the last W inputs before them (fp32);
     weight: [D, W]; bias: [D]. Returns (u [B, T, D], new window [B, W, D] fp32).
+    The W products are in h's dtype, their sum one reduction over the taps (accumulated in
+    fp32 for bf16), as in `causal_conv_step`.
     """
     T, W = h.shape[1], weight.shape[1]
+    taps = conv_taps(weight)  # [W, D]
     seq = torch.cat([window.to(h.dtype), h], dim=1)  # [B, W + T, D]
-    acc = weight[:, 0] * seq[:, 1 : 1 + T]
-    for j in range(1, W):  # output t sees seq[t + 1 .. t + W]
-        acc = acc + weight[:, j] * seq[:, 1 + j : 1 + j + T]
+    # output t sees seq[t + 1 .. t + W]: products [B, T, W, D], summed over the taps
+    acc = torch.stack([taps[j] * seq[:, 1 + j : 1 + j + T] for j in range(W)], dim=2).sum(2)
     return F.silu(bias + acc), seq[:, -W:].to(f32)
 
 
 def causal_conv_step(h, window, weight, bias):
     """`causal_conv` for one new input per sequence (a decode step), without its [B, T, ...]
-    buffers: bit-identical to `causal_conv` with T = 1 (the same products, summed in order).
+    buffers, in few ops (a decode step's cost is their count): bit-identical to `causal_conv`
+    with T = 1 (the same products, summed in the same order over the W taps).
 
     h: [B, D]; window: [B, W, D] fp32. Returns (u [B, D], new window [B, W, D] fp32):
     the new window is the last W inputs, and u = SiLU(b + sum_j w[:, j] window'[j]).
     """
     new = torch.cat([window[:, 1:], h.to(f32)[:, None]], dim=1)  # [B, W, D]
-    x = new.to(h.dtype)
-    acc = weight[:, 0] * x[:, 0]  # [B, D]
-    for j in range(1, weight.shape[1]):
-        acc = acc + weight[:, j] * x[:, j]
+    acc = (new.to(h.dtype) * weight.t()).sum(1)  # [B, D]: the W products, one reduction
     return F.silu(bias + acc), new
 
 
@@ -73,17 +79,18 @@ def gla_recurrent(q, k, v, log_decay, state, scale):
 def gla_step(q, k, v, log_decay, state, scale):
     """One token. q, k: [B, H, K]; v: [B, H, V]; state [B, H, K, V] fp32 -> (o [B, H, V], S).
 
-    S = lambda S + k v^T (one batched rank-1 update), o = scale q S: one matmul per head row.
+    S = lambda S + k v^T (one batched rank-1 update), o = scale q S (one batched
+    [1, K] x [K, V] product per head row); few ops, as a decode step's cost is their count.
     """
     B, H, K, V = state.shape
-    lam = torch.exp(log_decay.to(f32))[None, :, None, None]  # [1, H, 1, 1]
+    lam = log_decay.to(f32).exp().view(1, H, 1, 1)
     state = torch.baddbmm(
         (lam * state).view(B * H, K, V),
         k.to(f32).reshape(B * H, K, 1),
         v.to(f32).reshape(B * H, 1, V),
-    ).view(B, H, K, V)
-    o = torch.matmul((scale * q.to(f32))[..., None, :], state)  # [B, H, 1, V]
-    return o[..., 0, :], state
+    )  # [B H, K, V]
+    o = torch.bmm((scale * q.to(f32)).reshape(B * H, 1, K), state)  # [B H, 1, V]
+    return o.view(B, H, V), state.view(B, H, K, V)
 
 
 def gla_chunked(q, k, v, log_decay, state, scale, chunk_size):
@@ -171,13 +178,16 @@ def causal_conv_varlen(h, windows, cu_seqlens, weight, bias):
     # every row e >= W - 1 of the buffer from rows e - W + 1 .. e (shifted views, as in
     # `causal_conv`), then the token rows; the P W extra rows cost little
     R = T + P * W - (W - 1)
-    acc = weight[:, 0] * buf[:R]  # [R, D], row r is the output at e = r + W - 1
+    w = conv_taps(weight)  # [W, D]
+    # the W products in h's dtype summed in fp32, as `causal_conv`'s reduction over the taps
+    acc = (w[0] * buf[:R]).to(f32)  # [R, D], row r is the output at e = r + W - 1
+    tap = torch.empty_like(buf[:R])  # one buffer for every tap's product (no fresh [R, D] each)
     for j in range(1, W):
-        acc = acc + weight[:, j] * buf[j : j + R]
-    acc = acc.index_select(0, row - (W - 1))  # [T, D]
+        acc += torch.mul(w[j], buf[j : j + R], out=tap)
+    u = acc.index_select(0, row - (W - 1)).to(h.dtype)  # [T, D]
     ends = cu[1:] + (torch.arange(P, device=h.device) + 1) * W  # [P] one past each segment
     new = buf.index_select(0, ((ends - W)[:, None] + taps).flatten()).view(P, W, D)
-    return F.silu(bias + acc), new.to(f32)
+    return F.silu(u.add_(bias), inplace=True), new.to(f32)
 
 
 def gla_chunked_varlen(q, k, v, log_decay, initial_states, cu_seqlens, scale, chunk_size):
@@ -231,7 +241,9 @@ def gla_chunked_varlen(q, k, v, log_decay, initial_states, cu_seqlens, scale, ch
     causal = i >= j
     # M_ij = lambda^(i-j) on the lower triangle only (never lambda^(-j): it overflows)
     M = torch.where(causal, torch.exp(gamma.view(H, 1, 1) * torch.where(causal, i - j, 0.0)), 0.0)
-    A = torch.einsum("nhik,nhjk->nhij", qc, kc) * scale * M[None]  # [N, H, C, C]
+    # in place where a [N, H, C, *] tensor would be made anew: fresh large buffers cost page
+    # faults on a CPU, often more than the arithmetic
+    A = torch.einsum("nhik,nhjk->nhij", qc, kc).mul_(scale * M)  # [N, H, C, C]
     o = torch.einsum("nhij,nhjv->nhiv", A, vc)  # [N, H, C, V] intra-chunk
 
     Lf = L.to(f32)[:, None]  # [N, 1]
@@ -240,7 +252,7 @@ def gla_chunked_varlen(q, k, v, log_decay, initial_states, cu_seqlens, scale, ch
     kv = torch.einsum("nhjk,nhjv->nhkv", kc * k_decay[..., None], vc)  # [N, H, K, V]
     chunk_decay = torch.exp(gamma[None, :] * Lf)[..., None, None]  # [N, H, 1, 1]: lambda^L
     q_decay = torch.exp(gamma[:, None] * (i[:, 0] + 1.0)[None, :])  # [H, C]: lambda^(i+1)
-    qs = scale * qc * q_decay[None, ..., None]  # [N, H, C, K]
+    qs = qc.mul_((scale * q_decay)[None, ..., None])  # [N, H, C, K] (qc is not used again)
 
     state = state.index_select(0, order)  # [P, H, K, V] in `order`
     inter = torch.empty_like(o)
@@ -251,5 +263,5 @@ def gla_chunked_varlen(q, k, v, log_decay, initial_states, cu_seqlens, scale, ch
         torch.matmul(qs[c], S, out=inter[c])  # [n_live, H, C, V]
         state[:n_live] = chunk_decay[c] * S + kv[c]
         off += n_live
-    o = (o + inter)[t_chunk, :, t_row]  # [T, H, V]
+    o = o.add_(inter)[t_chunk, :, t_row]  # [T, H, V]
     return o, torch.empty_like(state).index_copy_(0, order, state)

@@ -160,9 +160,14 @@ class LaplaceMixer(nn.Module):
     # (decodes, variable-length prefills) and these projections once over all tokens of a step.
     def project(self, u):
         """u [..., D] -> q, k [..., H, dk]; v [..., H, dv]; g [..., H * dv]."""
+        return self.split(self.qkvg_proj(u))
+
+    def split(self, qkvg):
+        """The fused projection's output [..., qkvg_dim] -> q, k [..., H, dk]; v [..., H, dv];
+        g [..., H * dv] (views)."""
         H, dk, dv = self.n_heads, self.d_k, self.d_v
-        q, k, v, g = self.qkvg_proj(u).split(self.qkvg_split, dim=-1)
-        lead = u.shape[:-1]
+        q, k, v, g = qkvg.split(self.qkvg_split, dim=-1)
+        lead = qkvg.shape[:-1]
         return q.view(*lead, H, dk), k.view(*lead, H, dk), v.view(*lead, H, dv), g
 
     def log_decay_f32(self, device: torch.device) -> torch.Tensor:

@@ -12,8 +12,14 @@ Each layer's token mixer is a state-holding layer of vLLM's mamba / linear-atten
 which holds this layer's GLA matrices [H, dk, dv] and conv window [W, D]. Their dtypes are
 `state_dtypes`: fp32 by default (the state is accumulated in fp32 whatever the weights' dtype),
 `--mamba-ssm-cache-dtype` for the GLA matrices and `--mamba-cache-dtype` for the conv window
-(and for the GLA matrices when the former is `auto`). The mixer reads and writes its page through
-the forward context's `LinearAttentionMetadata`:
+(and for the GLA matrices when the former is `auto`).
+
+The mixer is split as vLLM's Qwen3-Next layer is: what reads and writes the state pages is one
+custom op per layer (`vllm::laplace_mixer_state`: the conv, the fused projection between, the
+GLA), which a compiled graph calls as an opaque op; everything after it (self-augmentation, head
+norm, gate, output projection) is plain torch that vLLM's compile mode fuses with the norms and
+the MLP. The op reads and writes the pages through the forward context's
+`LinearAttentionMetadata` (its view of the step, `_Step`, is made once per step):
 
     tokens of a step:  [decode tokens (one per sequence) | prefill tokens, sequence after sequence]
     pages:    one gather of every sequence's page (zeros when the sequence starts in this
@@ -39,6 +45,7 @@ checked at construction, and `load_weights` accounts for every tensor.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -75,7 +82,14 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from laplace_spec import names
 from laplace_spec.config import LaplaceConfig
-from serve.kernels import causal_conv_step, causal_conv_varlen, gla_chunked_varlen, gla_step
+from serve.kernels import (
+    causal_conv,
+    causal_conv_step,
+    causal_conv_varlen,
+    gla_chunked,
+    gla_chunked_varlen,
+    gla_step,
+)
 from serve.modeling_laplace import LaplaceLayerNorm, LaplaceMixer, LaplaceMLP
 
 f32 = torch.float32
@@ -107,8 +121,9 @@ def _linear(cls, in_features: int, out_features, prefix: str):
 class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
     """The token mixer as a vLLM state layer; `self.kv_cache` = (gla pages, conv pages).
 
-    LaplaceMixer's math (`project`, `output`, `log_decay_f32`, and `forward` for the profiling
-    run) and its `__init__`, with vLLM's `ReplicatedLinear` for the two projections."""
+    LaplaceMixer's math (`project`, `output`, `log_decay_f32`) and its `__init__`, with vLLM's
+    `ReplicatedLinear` for the two projections; the profiling run (no pages) runs the
+    single-sequence kernels from zero states."""
 
     def __init__(self, config: LaplaceConfig, prefix: str):
         def linear(name, n_in, n_out):
@@ -139,78 +154,128 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
         return self.state_dtype
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, D]
-        out = torch.zeros_like(h)
-        torch.ops.vllm.laplace_mixer(h, out, self.prefix)
-        return out
+        """One custom op reads and writes this layer's state pages (conv, the fused projection
+        between, GLA: `state_tokens`); the self-augmentation, head norm, gate and output
+        projection after it are plain torch, which vLLM's compile mode fuses with the norms
+        and the MLP around them (vLLM's Qwen3-Next layer is split the same way)."""
+        qkvg, o = torch.ops.vllm.laplace_mixer_state(h, self.prefix)  # [N, qkvg], [N, H, dv]
+        q, k, v, g = self.split(qkvg)  # [N, H, dk], [N, H, dk], [N, H, dv], [N, H dv]
+        return self.output(o, q, k, v, g)
 
-    def forward_tokens(self, h: torch.Tensor, out: torch.Tensor) -> None:
+    def state_tokens(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's tokens h [N, D] (rows beyond the step's n tokens: padding) -> the fused
+        projection of their conv outputs [N, qkvg_dim] and their GLA outputs [N, H, dv] fp32
+        (zeros on padding rows), each sequence continuing its pages, which are written back."""
+        step = self._step()
+        if step is None:  # profiling run: no pages; same work, zero state, one sequence
+            return self._profiling_tokens(h)
+        N, n, td, nd, ns = h.shape[0], step.n, step.td, step.nd, step.ns
+        gla_pages, conv_pages = self.kv_cache
+        w, b = self.conv_weight, self.conv_bias
+        # conv, from each sequence's window page: decodes batched, prefills all at once
+        conv0 = self._read(conv_pages, step)  # [ns, W, D]
+        if ns == nd:  # a decode-only step (the common case): no concatenations
+            u, conv1 = causal_conv_step(h[:n], conv0, w, b)  # [n, D], [n, W, D]
+        else:
+            u_d, conv_d = causal_conv_step(h[:td], conv0[:nd], w, b)  # [nd, D], [nd, W, D]
+            u_p, conv_p = causal_conv_varlen(h[td:n], conv0[nd:], step.cu[nd:] - td, w, b)
+            u, conv1 = torch.cat([u_d, u_p]), torch.cat([conv_d, conv_p])
+        conv_pages.index_copy_(0, step.slots, conv1.to(conv_pages.dtype))  # one scatter
+        if N > n:  # padding rows: zero inputs to the projection
+            u = torch.cat([u, u.new_zeros(N - n, u.shape[1])])
+        qkvg = self.qkvg_proj(u)  # [N, qkvg_dim]
+        q, k, v, _ = self.split(qkvg[:n])
+        # GLA, from each sequence's state page: decodes one O(1) step, prefills one
+        # variable-length chunked pass (boundaries `query_start_loc`)
+        log_decay = self.log_decay_f32(h.device)
+        gla0 = self._read(gla_pages, step)  # [ns, H, dk, dv]
+        if ns == nd:
+            o, gla1 = gla_step(q, k, v, log_decay, gla0, self.scale)  # [n, H, dv], [n, H, dk, dv]
+        else:
+            o_d, gla_d = gla_step(q[:td], k[:td], v[:td], log_decay, gla0[:nd], self.scale)
+            o_p, gla_p = gla_chunked_varlen(
+                q[td:],
+                k[td:],
+                v[td:],
+                log_decay,
+                gla0[nd:],
+                step.cu[nd:] - td,
+                self.scale,
+                self.chunk_size,
+            )  # [n - td, H, dv], [ns - nd, H, dk, dv]
+            o, gla1 = torch.cat([o_d, o_p]), torch.cat([gla_d, gla_p])
+        gla_pages.index_copy_(0, step.slots, gla1.to(gla_pages.dtype))  # one scatter
+        if N > n:
+            o = torch.cat([o, o.new_zeros(N - n, *o.shape[1:])])
+        return qkvg, o
+
+    def _profiling_tokens(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`state_tokens` without pages (vLLM's profiling run): one sequence from zero states."""
+        zero_conv = h.new_zeros(1, *self.config.conv_state_shape, dtype=f32)
+        u = causal_conv(h[None], zero_conv, self.conv_weight, self.conv_bias)[0][0]
+        qkvg = self.qkvg_proj(u)
+        q, k, v, _ = self.split(qkvg)
+        zero_gla = h.new_zeros(1, *self.config.gla_state_shape, dtype=f32)
+        log_decay = self.log_decay_f32(h.device)
+        o, _ = gla_chunked(
+            q[None], k[None], v[None], log_decay, zero_gla, self.scale, self.chunk_size
+        )
+        return qkvg, o[0]
+
+    def _step(self) -> _Step | None:
+        """This layer's view of the step's `LinearAttentionMetadata` (None: the profiling run).
+        Every state layer of the model shares one metadata object per step, so the view is
+        made once a step (by the first layer) and kept on that object."""
         meta = get_forward_context().attn_metadata
         if isinstance(meta, dict):
             meta = meta.get(self.prefix)
-        if meta is None:  # profiling run: no pages; same work, zero state, one sequence
-            y, _, _ = LaplaceMixer.forward(
-                self,
-                h[None],
-                h.new_zeros(1, *self.config.conv_state_shape, dtype=f32),
-                h.new_zeros(1, *self.config.gla_state_shape, dtype=f32),
-            )
-            out.copy_(y[0])
-            return
-        gla_pages, conv_pages = self.kv_cache
+        if meta is None:
+            return None
+        step = meta.__dict__.get("_laplace_step")
+        if step is None:
+            step = meta.__dict__["_laplace_step"] = _Step.of(meta)
+        return step
+
+    def _read(self, pages: torch.Tensor, step: _Step) -> torch.Tensor:
+        """One gather of every page of the step (a copy, fp32; a no-op cast for fp32 pages),
+        zeros for the sequences that start in it."""
+        x = pages.index_select(0, step.slots).to(f32)  # [ns, ...]
+        if step.fresh is not None:
+            x[step.fresh] = 0.0
+        return x
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """One step's tokens as a state layer sees them: `nd` decodes then `ns - nd` prefills;
+    tokens [0, td) are the decodes', [td, n) the prefills' (boundaries `cu`, [ns + 1]); `slots`
+    [ns] each sequence's page; `fresh` [ns] the sequences that start here (None: none does)."""
+
+    nd: int
+    ns: int
+    td: int
+    n: int
+    slots: torch.Tensor
+    cu: torch.Tensor
+    fresh: torch.Tensor | None
+
+    @staticmethod
+    def of(meta) -> _Step:
         nd, ns = meta.num_decodes, meta.num_decodes + meta.num_prefills
-        if ns == 0:
-            return
-        td = meta.num_decode_tokens  # one per decode row
-        n = td + meta.num_prefill_tokens  # beyond n: padding, left at 0
-        slots = meta.state_indices_tensor[:ns].long()  # [ns] each sequence's page
         cu = meta.query_start_loc[: ns + 1].long()  # [ns + 1] token boundaries
         # a sequence that starts in this step (seq_len == query_len) finds an old sequence's
         # state in its page: it starts from zeros. Otherwise (a decode, a continued chunked
         # prefill, a prefix-cache hit) its page holds its state so far.
         fresh = meta.seq_lens[:ns].to(cu.device) == cu[1:] - cu[:-1]  # [ns]
-        # 1. one gather of every page of the step (a copy; fp32, a no-op for fp32 pages)
-        conv0 = conv_pages.index_select(0, slots).to(f32)  # [ns, W, D]
-        gla0 = gla_pages.index_select(0, slots).to(f32)  # [ns, H, dk, dv]
-        if fresh.any():  # a host check (CPU tensors): no pass over the pages when none is fresh
-            conv0[fresh] = 0.0
-            gla0[fresh] = 0.0
-        w, b = self.conv_weight, self.conv_bias
-        log_decay = self.log_decay_f32(h.device)
-        us, conv1, outs, gla1 = [], [], [], []
-        # 2. causal conv: decodes batched, all prefills at once, each from its window
-        if nd:
-            u, conv = causal_conv_step(h[:td], conv0[:nd], w, b)  # [nd, D], [nd, W, D]
-            us.append(u)
-            conv1.append(conv)
-        if ns > nd:
-            u, conv = causal_conv_varlen(h[td:n], conv0[nd:], cu[nd:] - td, w, b)
-            us.append(u)  # [n - td, D]
-            conv1.append(conv)  # [ns - nd, W, D]
-        # 3. projections once over all tokens of the step
-        q, k, v, g = self.project(_cat(us))  # [n, H, dk], [n, H, dk], [n, H, dv], [n, H dv]
-        # 4. GLA: decodes batched (O(1) step), prefills in one variable-length chunked pass
-        if nd:
-            o, gla = gla_step(q[:td], k[:td], v[:td], log_decay, gla0[:nd], self.scale)
-            outs.append(o)  # [nd, H, dv]
-            gla1.append(gla)  # [nd, H, dk, dv]
-        if ns > nd:
-            o, gla = gla_chunked_varlen(
-                q[td:n],
-                k[td:n],
-                v[td:n],
-                log_decay,
-                gla0[nd:],
-                cu[nd:] - td,
-                self.scale,
-                self.chunk_size,
-            )
-            outs.append(o)  # [n - td, H, dv]
-            gla1.append(gla)  # [ns - nd, H, dk, dv]
-        # 5. one scatter of every page of the step (in the pages' dtype)
-        conv_pages.index_copy_(0, slots, _cat(conv1).to(conv_pages.dtype))
-        gla_pages.index_copy_(0, slots, _cat(gla1).to(gla_pages.dtype))
-        # 6. augmentation, head norm, gate, output projection over all tokens
-        out[:n] = self.output(_cat(outs), q, k, v, g)
+        return _Step(
+            nd=nd,
+            ns=ns,
+            td=meta.num_decode_tokens,  # one per decode row
+            n=meta.num_decode_tokens + meta.num_prefill_tokens,  # beyond n: padding, left at 0
+            slots=meta.state_indices_tensor[:ns].long(),  # [ns] each sequence's page
+            cu=cu,
+            fresh=fresh if bool(fresh.any()) else None,  # a host check (CPU tensors)
+        )
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -218,21 +283,23 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def laplace_mixer(h: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
-    """Custom op so a compiled graph breaks around the state read/write (as vLLM's own layers)."""
+# The state step as a custom op (vLLM's own state layers are registered the same way): a
+# compiled graph calls it as an opaque op, and it finds its layer by name.
+def laplace_mixer_state(h: torch.Tensor, layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return get_forward_context().no_compile_layers[layer_name].state_tokens(h)
+
+
+def _laplace_mixer_state_fake(h: torch.Tensor, layer_name: str):
     layer = get_forward_context().no_compile_layers[layer_name]
-    layer.forward_tokens(h, out)
-
-
-def _laplace_mixer_fake(h: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
-    return None
+    c = layer.config
+    o = h.new_empty(h.shape[0], c.n_heads, c.d_v, dtype=f32)
+    return h.new_empty(h.shape[0], c.qkvg_dim), o
 
 
 direct_register_custom_op(
-    op_name="laplace_mixer",
-    op_func=laplace_mixer,
-    mutates_args=["out"],
-    fake_impl=_laplace_mixer_fake,
+    op_name="laplace_mixer_state",
+    op_func=laplace_mixer_state,
+    fake_impl=_laplace_mixer_state_fake,
 )
 
 

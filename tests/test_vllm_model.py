@@ -195,76 +195,108 @@ def test_model_loads_every_tensor_through_its_weight_loader(folder, tp_group):
 # ---- one state layer's step against the PyTorch mixer, one sequence at a time ---------------
 
 
-def test_vllm_mixer_step_equals_per_sequence(monkeypatch, tp_group):
-    """One vLLM step of a layer (fake forward context, no engine): decodes (one fresh: a 1-token
-    prompt on a used page) and prefills (fresh, and continued from their pages: vLLM's chunked
-    prefill or a prefix-cache hit) give each sequence the output and final pages of
-    `LaplaceMixer.forward` run on it alone; other pages and the padding rows are untouched.
-    The mixer's linear layers are vLLM's own, their weights packed as the engine's loader does."""
+DECODES = [9, 2, 1]  # seq_len; 1: the sequence's first token (a 1-token prompt on a used page)
+# (query, seq): fresh prompts (query == seq: 1, 17, 333 tokens), continued from their pages
+# (vLLM's chunked prefill, or a prefix-cache hit: query < seq) at C + 1, C - 1 ... tokens
+PREFILLS = [(44, 300), (1, 1), (17, 17), (333, 333), (C + 1, 1000), (C - 1, 5 * C), (2, 5)]
+SLOTS = [7, 0, 3, 11, 5, 1, 9, 2, 4, 6]  # each sequence's page, of 12
+
+
+def _mixer_step(monkeypatch, dtype=torch.float32):
+    """A vLLM mixer (random weights in `dtype`, its linear weights packed as vLLM's loader
+    packs them), random state pages, and one step of decodes and prefills in a fake forward
+    context (no engine). Returns (mixer, pages, cu, h): h [n + 5, D] with 5 padding rows."""
     import types
 
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.v1.attention.backends.linear_attn import LinearAttentionMetadata
 
     import serve.vllm_model as vm
-    from serve.modeling_laplace import LaplaceMixer
 
-    ctx = types.SimpleNamespace(attn_metadata=None)
+    ctx = types.SimpleNamespace(attn_metadata=None, no_compile_layers={})
     monkeypatch.setattr(vm, "get_forward_context", lambda: ctx)
     torch.manual_seed(0)
     with set_current_vllm_config(VllmConfig()):
         mixer = vm.LaplaceVLLMMixer(TINY, prefix="layers.0.mixer")
+    ctx.no_compile_layers[mixer.prefix] = mixer  # as vLLM's forward context: the ops' layer
     assert mixer.get_state_dtype() == (torch.float32, torch.float32)  # vLLM's "auto"
     with torch.no_grad():
         for p in mixer.parameters():
             p.copy_(0.3 * torch.randn_like(p))
+    mixer.to(dtype)
     for m in mixer.modules():  # as vLLM's loader: pack the linear weights (oneDNN on CPU)
         if getattr(m, "quant_method", None) is not None:
             m.quant_method.process_weights_after_loading(m)
     pages = (torch.randn(12, *TINY.gla_state_shape), torch.randn(12, *TINY.conv_state_shape))
     mixer.kv_cache = tuple(t.clone() for t in pages)
-    decodes = [9, 2, 1]  # seq_len; 1: the sequence's first token
-    prefills = [(44, 300), (1, 1), (17, 17), (333, 333), (C + 1, 1000), (2, 5)]  # (query, seq)
-    qlens = [1] * len(decodes) + [q for q, _ in prefills]
+    qlens = [1] * len(DECODES) + [q for q, _ in PREFILLS]
     cu = [0, *np.cumsum(qlens).tolist()]
-    slots = [7, 0, 3, 11, 5, 1, 9, 2, 4]
     ctx.attn_metadata = LinearAttentionMetadata(
-        num_prefills=len(prefills),
-        num_prefill_tokens=sum(q for q, _ in prefills),
-        num_decodes=len(decodes),
-        num_decode_tokens=len(decodes),
+        num_prefills=len(PREFILLS),
+        num_prefill_tokens=sum(q for q, _ in PREFILLS),
+        num_decodes=len(DECODES),
+        num_decode_tokens=len(DECODES),
         query_start_loc=torch.tensor(cu, dtype=torch.int32),
-        seq_lens=torch.tensor(decodes + [s for _, s in prefills], dtype=torch.int32),
-        state_indices_tensor=torch.tensor(slots, dtype=torch.int32),
+        seq_lens=torch.tensor(DECODES + [s for _, s in PREFILLS], dtype=torch.int32),
+        state_indices_tensor=torch.tensor(SLOTS, dtype=torch.int32),
     )
-    n = cu[-1]
-    h = torch.randn(n + 5, TINY.d_model)  # 5 padding rows
-    out = torch.zeros_like(h)
+    h = torch.randn(cu[-1] + 5, TINY.d_model, dtype=dtype)
+    return mixer, pages, cu, h
+
+
+def test_vllm_mixer_step_equals_per_sequence(monkeypatch, tp_group):
+    """One vLLM step of a layer: decodes (one fresh: a 1-token prompt on a used page) and
+    prefills (fresh, and continued from their pages: vLLM's chunked prefill or a prefix-cache
+    hit) give each sequence the output and final pages of `LaplaceMixer.forward` run on it
+    alone; other pages and the padding rows are untouched. The mixer's linear layers are
+    vLLM's own, their weights packed as the engine's loader does."""
+    from serve.modeling_laplace import LaplaceMixer
+
+    mixer, pages, cu, h = _mixer_step(monkeypatch)
+    n, seq_lens = cu[-1], DECODES + [s for _, s in PREFILLS]
     with torch.no_grad():
-        mixer.forward_tokens(h, out)
+        out = mixer(h)  # the two custom ops (conv, GLA) and the plain-torch steps between them
         for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
-            gla0, conv0 = (t[slots[i] : slots[i] + 1] for t in pages)
-            if (decodes + [s for _, s in prefills])[i] == b - a:  # starts here: zeros
+            gla0, conv0 = (t[SLOTS[i] : SLOTS[i] + 1] for t in pages)
+            if seq_lens[i] == b - a:  # starts here: zeros
                 gla0, conv0 = torch.zeros_like(gla0), torch.zeros_like(conv0)
             y, conv1, gla1 = LaplaceMixer.forward(mixer, h[None, a:b], conv0, gla0)
             _close(out[a:b], y[0], rtol=1e-4)
-            _close(mixer.kv_cache[0][slots[i]], gla1[0])
-            assert torch.equal(mixer.kv_cache[1][slots[i]], conv1[0])
+            _close(mixer.kv_cache[0][SLOTS[i]], gla1[0])
+            assert torch.equal(mixer.kv_cache[1][SLOTS[i]], conv1[0])
     assert torch.equal(out[n:], torch.zeros_like(out[n:]))
-    other = sorted(set(range(12)) - set(slots))
+    other = sorted(set(range(12)) - set(SLOTS))
     for page, before in zip(mixer.kv_cache, pages, strict=True):
         assert torch.equal(page[other], before[other])
     # bf16 pages (vLLM's --mamba-ssm-cache-dtype / --mamba-cache-dtype bfloat16): read as fp32,
     # written back in bf16, the same step within bf16's rounding of the pages
     want_out, want_pages = out, mixer.kv_cache
     mixer.kv_cache = tuple(t.to(torch.bfloat16) for t in pages)
-    out = torch.zeros_like(h)
     with torch.no_grad():
-        mixer.forward_tokens(h, out)
+        out = mixer(h)
     assert [t.dtype for t in mixer.kv_cache] == [torch.bfloat16] * 2
     _close(out, want_out, rtol=5e-2)
     for page, want in zip(mixer.kv_cache, want_pages, strict=True):
-        _close(page[slots].float(), want[slots], rtol=5e-2)
+        _close(page[SLOTS].float(), want[SLOTS], rtol=5e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vllm_mixer_compiled_equals_eager(monkeypatch, tp_group, dtype):
+    """vLLM's compile mode on the mixer: torch.compile (inductor) over everything but the two
+    state ops, which it calls as opaque custom ops, gives the eager step's outputs and pages
+    on the same step (decodes, fresh and continued prefills of 1, C - 1, C + 1 and 333 tokens):
+    within 1e-5 in fp32, within bf16's rounding (2e-2) for bf16 weights and activations
+    (inductor fuses and reorders the elementwise math; the products are the same)."""
+    mixer, pages, cu, h = _mixer_step(monkeypatch, dtype)
+    with torch.no_grad():
+        want = mixer(h)
+        want_pages = mixer.kv_cache
+        mixer.kv_cache = tuple(t.clone() for t in pages)
+        got = torch.compile(mixer, dynamic=False)(h)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    _close(got.float(), want.float(), rtol=tol)
+    for page, ref in zip(mixer.kv_cache, want_pages, strict=True):
+        _close(page, ref, rtol=tol)
 
 
 def test_state_dtypes_follow_vllm_cache_settings():
