@@ -339,10 +339,10 @@ def long_context_passkey() -> str:
 
 def serve() -> str:
     d = load("serve")
-    h = d["headline"]
+    h, r = d["headline"], d["ratios"]
 
     def med(key, level):
-        return next(r for r in d[key] if r["concurrency"] == level)["median_tokens_per_s"]
+        return next(x for x in d[key] if x["concurrency"] == level)["median_tokens_per_s"]
 
     def ttft_growth(turns):  # the last turn's median time to first token over the first's
         return statistics.median(turns[-1]["samples_ttft_s"]) / statistics.median(
@@ -350,59 +350,95 @@ def serve() -> str:
         )
 
     rows = []
-    for level in d["sizes"]["levels"]:
-        lap, lla = med("laplace_throughput_p128", level), med("llama_throughput_p128", level)
-        seqs = f"{level} sequence" + ("s" if level > 1 else "")
-        rows.append([f"128-token prompts, {seqs}", lap, lla, ratio(lap / lla)])
-    lap, lla = med("laplace_throughput_p2048", 64), med("llama_throughput_p2048", 64)
-    rows.append(["64 sequences, 2,048-token prompts", lap, lla, ratio(lap / lla)])
+    for mode, lap_key, llama_key, over in (
+        ("eager", "laplace", "llama", "over_llama_tokens_per_s"),
+        ("compiled", "laplace_compiled", "llama_compiled", "over_llama_compiled_tokens_per_s"),
+    ):
+        for level in d["sizes"]["levels"]:
+            seqs = f"{level} sequence" + ("s" if level > 1 else "")
+            rows.append(
+                [
+                    f"128-token prompts, {seqs}, {mode}",
+                    med(f"{lap_key}_throughput_p128", level),
+                    med(f"{llama_key}_throughput_p128", level),
+                    spread(r[f"{over}_p128_s{level}"]),
+                ]
+            )
+    n = d["sizes"]["long_seqs"]
+    rows.append(
+        [
+            f"{n} sequences, 2,048-token prompts, eager",
+            med("laplace_throughput_p2048", n),
+            med("llama_throughput_p2048", n),
+            spread(r["over_llama_tokens_per_s_p2048_s64"]),
+        ]
+    )
+    for mode, lap_key, llama_key, key in (
+        ("eager", "laplace", "llama", "over_llama_prefill_tokens_per_s"),
+        (
+            "compiled",
+            "laplace_compiled",
+            "llama_compiled",
+            "over_llama_compiled_prefill_tokens_per_s",
+        ),
+    ):
+        rows.append(
+            [
+                f"prefill, {d['laplace_prefill']['seqs']} x "
+                f"{d['laplace_prefill']['prompt_len']:,}-token prompts (prompt tokens/s), {mode}",
+                d[f"{lap_key}_prefill"]["median_prompt_tokens_per_s"],
+                d[f"{llama_key}_prefill"]["median_prompt_tokens_per_s"],
+                spread(r[key]),
+            ]
+        )
     sb = d["shared_budget"]
     rows.append(
         [
             f"{sb['requests']:,} requests of {sb['prompt_len']:,} + {sb['new_tokens']} tokens, "
-            "one 1 GiB budget (one run each)",
+            f"one {sb['budget_bytes'] / 2**30:g} GiB budget, eager (one run each)",
             sb["laplace"]["tokens_per_s"],
             sb["llama"]["tokens_per_s"],
-            ratio(sb["laplace"]["tokens_per_s"] / sb["llama"]["tokens_per_s"]),
+            ratio(h["over_llama_tokens_per_s_1280_requests"]),
         ]
     )
-    lp = statistics.median(d["laplace_prefill"]["samples_prompt_tokens_per_s"])
-    ll = statistics.median(d["llama_prefill"]["samples_prompt_tokens_per_s"])
-    rows.append(["prefill, 32 x 1,024-token prompts (prompt tokens/s)", lp, ll, ratio(lp / ll)])
-    rows = [[r[0], f"{r[1]:,.0f}", f"{r[2]:,.0f}", r[3]] for r in rows]
-    cost = {c["prompt_len"]: c["median_seconds_per_output_token"] for c in d["laplace_cost"]}
-    lcost = {c["prompt_len"]: c["median_seconds_per_output_token"] for c in d["llama_cost"]}
-    compiled = {}
-    for n in d["sizes"]["compile_levels"]:
-        lap_c = med("laplace_compiled_throughput_p128", n)
-        llama_c = med("llama_compiled_throughput_p128", n)
-        compiled[n] = (
-            lap_c / med("laplace_throughput_p128", n),
-            llama_c / med("llama_throughput_p128", n),
-            lap_c / llama_c,
-        )
-    levels = " and ".join(str(n) for n in compiled)
+    mid = d["mid"]
+    rows.append(
+        [
+            f"mid-size ({mid['parameters']['laplace'] / 1e6:.0f}M and "
+            f"{mid['parameters']['llama'] / 1e6:.0f}M parameters), {mid['laplace']['concurrency']} "
+            f"sequences of {mid['laplace']['prompt_len']:,} + {mid['laplace']['new_tokens']} "
+            f"tokens, {mid['budget_bytes'] / 2**30:.0f} GiB of pages / KV each, eager",
+            mid["laplace"]["median_tokens_per_s"],
+            mid["llama"]["median_tokens_per_s"],
+            spread(r["over_llama_tokens_per_s_mid_s64"]),
+        ]
+    )
+    rows = [[x[0], f"{x[1]:,.0f}", f"{x[2]:,.0f}", x[3]] for x in rows]
+    levels = d["sizes"]["levels"]
 
-    def each(i):
-        return " and ".join(ratio(c[i]) for c in compiled.values())
+    def compiled_over_eager(who):
+        return ", ".join(f"{n}: {spread(r[f'compiled_over_eager_{who}_s{n}'])}" for n in levels)
 
     st, pc = d["staggered"], d["prefix_cache"]
     kv_8k = next(m["llama_kv_bytes_fp32"] for m in d["memory_per_seq"] if m["context"] == 8192)
+    head = ["workload (output tokens/s, medians of rounds)", "Laplace", "Llama"]
+    head.append("Laplace / Llama, median (min to max) of rounds")
     return (
-        table(["workload (output tokens/s, medians)", "Laplace", "Llama", "Laplace / Llama"], rows)
-        + "\n\n"
+        table(head, rows) + "\n\n"
+        f"- Compile mode over eager, 128-token prompts, by sequences: Laplace "
+        f"{compiled_over_eager('laplace')}; Llama {compiled_over_eager('llama')}. Greedy "
+        f"tokens of the compiled engines equal to the eager engines': Laplace "
+        f"{d['laplace_compiled_greedy_equal_eager']:.0%}, Llama "
+        f"{d['llama_compiled_greedy_equal_eager']:.0%}.\n"
         f"- Decode phase of the shared budget: {sb['laplace']['decode_tokens_per_s']:,.0f} vs "
         f"{sb['llama']['decode_tokens_per_s']:,.0f} tokens/s, "
         f"{sb['laplace']['max_running']} vs {sb['llama']['max_running']} sequences at once "
         f"(Llama's preemptions: {sb['llama']['preempted']}).\n"
-        f"- Cost per output token, prompt 8,192 over 2,048 (median windows): Laplace "
-        f"{ratio(cost[8192] / cost[2048], 3)}, Llama {ratio(lcost[8192] / lcost[2048], 2)}.\n"
+        f"- Cost per output token, prompt 8,192 over 2,048 (each round's windows): Laplace "
+        f"{spread(r['cost_per_token_8k_over_2k'], lambda x: ratio(x, 3))}, Llama "
+        f"{spread(r['llama_cost_per_token_8k_over_2k'])}.\n"
         f"- Time to first token, turn {pc['turns']} over turn 1 (medians), prefix cache on: "
         f"{ratio(ttft_growth(pc['cached']))} (off: {ratio(ttft_growth(pc['uncached']), 1)}).\n"
-        f"- Compile mode over eager at 128-token prompts, {levels} sequences: Laplace "
-        f"{each(0)}, Llama {each(1)}; compiled Laplace over compiled Llama {each(2)}; greedy "
-        f"tokens equal to eager's: Laplace {d['laplace_compiled_greedy_equal_eager']:.0%}, "
-        f"Llama {d['llama_compiled_greedy_equal_eager']:.0%}.\n"
         f"- Staggered arrivals ({st['requests']} requests, one every {st['arrival_every_steps']} "
         f"engine steps) against one fixed batch: {st['staggered']['tokens_per_s']:,.0f} vs "
         f"{st['fixed']['tokens_per_s']:,.0f} tokens/s, mean time to first token "
@@ -410,7 +446,44 @@ def serve() -> str:
         f"{st['fixed']['mean_time_to_first_token_s']:.3f} s (one run each).\n"
         f"- State page: {h['state_bytes_per_seq_measured']:,} B measured on vLLM's pages, "
         f"{h['state_bytes_per_seq_computed']:,} B computed; Llama's fp32 KV at 8,192 tokens: "
-        f"{kv_8k:,} B. The whole run took {minutes(d['seconds'])}."
+        f"{kv_8k:,} B. {d['sizes']['rounds']} alternating rounds per figure; the whole run "
+        f"took {minutes(d['seconds'])}."
+    )
+
+
+def serve_profile() -> str:
+    d = load("serve_profile")
+    layers = d["layers"]
+    mid = layers[len(layers) // 2]
+    rows = []
+    for who in ("laplace", "llama"):
+        for mode in ("eager", "compiled"):
+            for seqs, f in d[f"{who}_{mode}"].items():
+                rows.append(
+                    [
+                        f"{who.capitalize()} {mode}, {seqs.removeprefix('s')} seq"
+                        + ("s" if seqs != "s1" else ""),
+                        " / ".join(f"{1e3 * f['step_s'][str(n)]:.2f}" for n in layers),
+                        f"{1e3 * f['intercept_s']:.2f}",
+                        f"{1e3 * f['per_layer_s']:.3f}",
+                        pct(f[f"layers_share_of_step_at_{mid}"], 0),
+                        pct(f["gemm_share_of_layer"], 0),
+                    ]
+                )
+    head = [
+        "model, mode, sequences",
+        f"decode step at {' / '.join(map(str, layers))} layers (ms)",
+        "intercept (ms)",
+        "per layer (ms)",
+        f"layers' share of the step at {mid} layers",
+        "weight GEMMs' share of a layer",
+    ]
+    return (
+        f"`python -m bench.serve --profile` (`bench/results/serve_profile.json`, "
+        f"{minutes(d['seconds'])}): the `small` width at {', '.join(map(str, layers))} "
+        f"layers, median of {d['rounds']} alternating rounds of {d['window_steps']} decode steps "
+        "each; step time fitted linearly against the layer count; the GEMM share is the slope "
+        "of the profiled weight-GEMM time over the slope of the step time.\n\n" + table(head, rows)
     )
 
 
@@ -522,6 +595,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "long-context": long_context,
     "long-context-passkey": long_context_passkey,
     "serve": serve,
+    "serve-profile": serve_profile,
     "prefix": prefix,
     "retrieval-mqar": retrieval_mqar,
     "retrieval-sweep": retrieval_sweep,

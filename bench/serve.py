@@ -4,39 +4,49 @@ side with a vLLM-served Llama of the same width, depth, FFN width and vocabulary
     python -m bench.serve            # full sizes -> bench/results/serve.json (+ serve.png)
     python -m bench.serve --quick    # smaller sizes, minutes -> bench/results/serve_quick.json
     python -m bench.serve --budget-requests 640 --turns 5 ...   # any size (see --help)
+    python -m bench.serve --profile  # the decode-step profile -> bench/results/serve_profile.json
 
 Measured in one run (absolute CPU numbers are not comparable to the write-up's; ratios are):
 - output tokens/s vs concurrency (1, 8, 32, 64 sequences) at 64-token prompts (the original
-  table) and at 128-token prompts, both engines (`over_llama_tokens_per_s_p128_s*`);
+  table) and at 128-token prompts (`over_llama_tokens_per_s_p128_s*`), the latter eager and in
+  vLLM's compile mode (the adapter's `--compile`: `compiled_over_eager_laplace_s*`,
+  `over_llama_compiled_tokens_per_s_p128_s*`);
 - output tokens/s of 64 sequences with 2,048-token prompts (`over_llama_tokens_per_s_p2048_s64`);
+- prefill: prompt tokens/s of 32 prompts of 1,024 tokens, eager and compiled
+  (`over_llama_prefill_tokens_per_s`);
+- cost per output token at prompt 2,048 vs 8,192 tokens (the write-up: +0.5%), both models;
+- greedy continuations of the compiled engines against the eager engines';
+- staggered arrivals (one request every few engine steps) vs one fixed batch (Laplace);
+- a 10-turn conversation, Laplace only (turn 1: a 256-token message; turn n+1 = turn n + its
+  64-token greedy reply + a new 256-token message), time to first token per turn with vLLM's
+  prefix caching (align mode) and without it (`prefix_cache_ttft_turn10_over_turn1`);
 - 1,280 requests (1,024-token prompts, 128 new tokens each) given at once to an engine whose
   state pages (Laplace) or KV cache (Llama) hold exactly the same 1 GiB: end-to-end output
   tokens/s (`over_llama_tokens_per_s_1280_requests`), how many sequences each ran at once, each
   one's decode-phase rate (`shared_budget_run`);
-- cost per output token at prompt 2,048 vs 8,192 tokens (the write-up: +0.5%), both engines;
-- a 10-turn conversation, Laplace only (turn 1: a 256-token message; turn n+1 = turn n + its
-  64-token greedy reply + a new 256-token message), time to first token per turn with vLLM's
-  prefix caching (align mode) and without it (`prefix_cache_ttft_turn10_over_turn1`,
-  `conversation_ttft`);
+- the mid-size row: a Laplace of about 300M parameters against a Llama of its width, depth and
+  FFN width, 64 sequences of 1,024-token prompts and 128 new tokens, each engine's pages / KV
+  cache 4 GiB (`over_llama_tokens_per_s_mid_s64`);
 - state memory per sequence, measured on vLLM's state pages vs computed from the config; Llama's
-  KV bytes per sequence;
-- staggered arrivals (one request every few engine steps) vs one fixed batch (Laplace);
-- vLLM's compile mode (the adapter's `--compile`), both engines: the 128-token-prompt table at
-  1 and 64 sequences over eager, and whether its greedy tokens repeat the eager engine's.
+  KV bytes per sequence.
 
-The engines run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), one after another: no IPC in
-the timings, the Laplace model's own forward time is measured beside the engine's step time, and
-vLLM's scheduler is observed directly (`SchedulerTap`: what each engine step scheduled). On a
-machine shared with other jobs, every figure keeps its N samples, its median and its best; the
-headline ratios are of medians. Throughput is end to end (requests added at once, prefill included).
+Every figure that compares engines is measured on engines alive together, in alternating rounds:
+in round r each engine runs the same prompts once, in an order rotated by r, so the machine's
+drift falls on all of them alike. A ratio is taken round by round; the headline is the median
+of its rounds, and `ratios` keeps the minimum, the maximum and every round. The engines run in
+this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): no IPC in the timings, the Laplace model's own
+forward time is measured beside the engine's step time, and vLLM's scheduler is observed directly
+(`SchedulerTap`: what each engine step scheduled). Throughput is end to end (requests added at
+once, prefill included).
 
 This file is the run, in order; the parts are `bench/serving/`:
     sizes.py       `Sizes` (every size of a run, one flag each), the full and quick runs
     models.py      the engine environment, the exported Laplace, the same-size Llama, budget engines
     instrument.py  the model's forward time, what vLLM's scheduler scheduled
-    measure.py     the measurements, each on an engine it is given
-    phases.py      one engine per phase, its figures into the result
-    headlines.py   the headline ratios and the run's notes
+    measure.py     the measurements: alternating rounds over several engines, or one engine
+    phases.py      the side-by-side engines, prefix caching, the shared budget, the mid-size row
+    headlines.py   the paired ratios, the headlines and the run's notes
+    profile.py     `--profile`: decode step time against the layer count, the GEMMs' share
     plot.py        the PNG beside the result
 The result is written by `bench.common.write_result` (the machine and library versions with it).
 
@@ -45,29 +55,33 @@ JSON (bench/results/serve.json; serve_quick.json with --quick; --out PATH):
     sizes                      every size used (`Sizes`); notes: caveats of this run, in words
     machine, preset, config    the machine and library versions (bench.common), the preset,
                                the exported config.json; torch_threads: torch's thread count
-    headline                   docs/design.md s7 keys, plain numbers, from medians:
+    headline                   docs/design.md s7 keys, plain numbers, medians of paired rounds:
         cost_per_token_8k_over_2k, state_bytes_per_seq_measured, state_bytes_per_seq_computed,
         tokens_per_s_at_32 (64-token prompts), over_llama_tokens_per_s_p128_s{1,8,32,64},
         over_llama_tokens_per_s_p2048_s64, over_llama_tokens_per_s_1280_requests,
-        prefix_cache_ttft_turn10_over_turn1 (turn `turns` over turn 1, with caching)
-    headline_extra             more ratios (best-window cost, uncached TTFT growth, Llama's
-                               concurrency and decode rates in the shared budget, ...)
+        prefix_cache_ttft_turn10_over_turn1 (turn `turns` over turn 1, with caching),
+        compiled_over_eager_laplace_s{1,8}, over_llama_prefill_tokens_per_s,
+        over_llama_tokens_per_s_mid_s64
+    headline_extra             more ratios (compiled Laplace over compiled Llama, compiled over
+                               eager at 32 and 64 and for Llama, Llama's concurrency and decode
+                               rates in the shared budget, uncached TTFT growth, ...)
+    ratios                     every paired ratio: {median, min, max, samples (round by round)}
     laplace_state              {layers, bytes_per_seq, slots} read from vLLM's state pages
-    {laplace,llama}_throughput        rows at 64-token prompts
-    {laplace,llama}_throughput_p128   rows at 128-token prompts
-    {laplace,llama}_throughput_p2048  one row, `long_seqs` sequences
-        row: {concurrency, prompt_len, new_tokens, output_tokens, tokens_per_s (best),
-              median_tokens_per_s, samples_tokens_per_s, decode_tokens_per_s, max_running,
-              preempted}
-    {laplace,llama}_prefill    {seqs, prompt_len, prompt_tokens_per_s (best), samples_...}:
-                               32 prompts of the shared budget's length, 1 new token each
-    {laplace,llama}_cost       rows {prompt_len, seqs, decode_steps, seconds_per_output_token,
-                               median_..., model_forward_..., window_samples, ...}
+    ENGINE_throughput          rows at 64-token prompts (ENGINE: laplace, llama)
+    ENGINE_throughput_p128     rows at 128-token prompts (ENGINE: also laplace_compiled,
+                               llama_compiled)
+    ENGINE_throughput_p2048    one row, `long_seqs` sequences
+        row: {concurrency, prompt_len, new_tokens, output_tokens, median_tokens_per_s,
+              samples_tokens_per_s (round by round), tokens_per_s (the best round),
+              decode_tokens_per_s, max_running, preempted}
+    ENGINE_prefill             {seqs, prompt_len, median_prompt_tokens_per_s,
+                               samples_prompt_tokens_per_s, prompt_tokens_per_s (best)}: 32
+                               prompts of the shared budget's length, 1 new token each
+    {laplace,llama}_cost       rows {prompt_len, seqs, decode_steps, window_samples (round by
+                               round), median_seconds_per_output_token, model_forward_..., ...}
+    ENGINE_greedy_tokens       greedy continuations (`greedy_tokens`) of every engine;
+                               {laplace,llama}_compiled_greedy_equal_eager: the share equal
     staggered                  {fixed: {...}, staggered: {...}, requests, prompt_len, ...}
-    {laplace,llama}_compiled_throughput_p128   rows at `compile_levels`, vLLM's compile mode
-    {laplace,llama}_eager_greedy_tokens        greedy continuations (`greedy_tokens`) of the
-                                               eager engine; _compiled_greedy_equal_eager:
-                                               the share the compiled engine repeats exactly
     shared_budget              {requests, prompt_len, new_tokens, budget_bytes,
                                 laplace: run, llama: run}; run: {seconds, output_tokens,
                                 tokens_per_s, decode_steps, decode_seconds, decode_tokens_per_s,
@@ -78,8 +92,10 @@ JSON (bench/results/serve.json; serve_quick.json with --quick; --out PATH):
                                 replies_equal, cached: turns, uncached: turns}; turn: {turn,
                                 prompt_len, cached_tokens, prefill_tokens, ttft_s (best),
                                 samples_ttft_s}
+    mid                        {shape, parameters: {laplace, llama}, budget_bytes, laplace: row,
+                                llama: row}
     memory_per_seq             rows {context, laplace_state_bytes, llama_kv_bytes_fp32}
-    NAME_error                 where phase NAME failed (llama, laplace_prefix, shared_budget)
+    NAME_error                 where phase NAME failed (laplace_prefix, shared_budget, mid)
     seconds, phase_seconds     the whole run's wall time, each phase's
 """
 
@@ -103,13 +119,13 @@ from bench.serving.models import (
 )
 from bench.serving.phases import (
     phase,
-    run_compiled,
-    run_laplace,
     run_laplace_prefix,
-    run_llama,
+    run_mid,
     run_shared_budget,
+    run_side_by_side,
 )
 from bench.serving.plot import plot
+from bench.serving.profile import run_profile
 from bench.serving.sizes import COST_PROMPTS, PRESET, parse_sizes
 from laplace_spec.config import get_config
 
@@ -119,6 +135,8 @@ def main(argv=None) -> int:
 
     args, sz = parse_sizes(argv)
     set_engine_environment()
+    if args.profile:
+        return profile_main(args, sz)
     out = args.out or RESULTS / ("serve_quick.json" if args.quick else "serve.json")
     conversation = sz.turn_first + (sz.turns - 1) * (sz.turn_reply + sz.turn_message)
     max_len = max(
@@ -137,20 +155,18 @@ def main(argv=None) -> int:
     results["config"] = json.loads((lap_dir / "config.json").read_text())
     instrument_laplace()
 
-    # the phases, one engine each (a failure after the first is recorded as NAME_error)
-    replies = phase(results, "laplace", run_laplace, lap_dir, cfg, sz, max_len, results)
+    # the phases: the side-by-side engines, then one engine at a time (a failure after the
+    # first is recorded as NAME_error)
+    llama_dir = None if args.skip_llama else make_llama(tmp / "llama", cfg, max_len)
+    replies = phase(
+        results, "side_by_side", run_side_by_side, lap_dir, llama_dir, cfg, sz, max_len, results
+    )
     phase(
         results, "laplace_prefix", run_laplace_prefix, lap_dir, cfg, sz, max_len, results, replies
     )
-    llama_dir = None
-    if not args.skip_llama:
-        llama_dir = make_llama(tmp / "llama", cfg, max_len)
-        phase(results, "llama", run_llama, llama_dir, cfg, sz, max_len, results)
-    for who, model_dir in (("laplace", lap_dir), ("llama", llama_dir)):
-        if model_dir is not None and sz.compile_levels:
-            name = f"{who}_compiled"
-            phase(results, name, run_compiled, model_dir, who, cfg, sz, max_len, results)
     phase(results, "shared_budget", run_shared_budget, lap_dir, llama_dir, cfg, sz, results)
+    if sz.mid_seqs and llama_dir is not None:
+        phase(results, "mid", run_mid, cfg, sz, tmp, results)
 
     kv_tok = llama_kv_bytes_per_token(cfg)
     computed = cfg.state_bytes_per_sequence()["total"]
@@ -167,6 +183,30 @@ def main(argv=None) -> int:
     plot(result, path.with_suffix(".png"))
     summary = {"quick": args.quick, **result["headline"], **result["headline_extra"]}
     print(json.dumps(summary, indent=2))
+    print(f"wrote {path} ({result['seconds']:.0f} s)")
+    return 0
+
+
+def profile_main(args, sz) -> int:
+    """`--profile`: the decode-step fit alone -> bench/results/serve_profile.json (or --out)."""
+    t_start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_serve_profile_"))
+    result = run_profile(get_config(PRESET), sz, tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    headline = {
+        f"{name}_s{n}_{field}": result[name][f"s{n}"][key] * scale
+        for name in ("laplace_eager", "laplace_compiled", "llama_eager", "llama_compiled")
+        for n in sz.profile_seqs
+        for field, key, scale in (
+            ("intercept_ms", "intercept_s", 1e3),
+            ("per_layer_ms", "per_layer_s", 1e3),
+            ("gemm_share_of_layer", "gemm_share_of_layer", 1.0),
+        )
+    }
+    result["seconds"] = time.perf_counter() - t_start
+    out = args.out or RESULTS / "serve_profile.json"
+    path = write_result("serve_profile", headline, path=out, preset=PRESET, **result)
+    print(json.dumps(headline, indent=2))
     print(f"wrote {path} ({result['seconds']:.0f} s)")
     return 0
 

@@ -11,45 +11,109 @@ from bench.serving.sizes import COST_PROMPTS, FULL, Sizes
 from laplace_spec.config import LaplaceConfig
 
 
-def _tps(results: dict, key: str, n: int) -> float | None:
-    """The median output tokens/s of `n` concurrent requests (the headlines' figure)."""
+def _samples(results: dict, key: str, n: int) -> list[float] | None:
+    """The round-by-round output tokens/s of `n` concurrent requests (sample r: round r)."""
     rows = results.get(key, [])
-    return next((r["median_tokens_per_s"] for r in rows if r["concurrency"] == n), None)
+    return next((r["samples_tokens_per_s"] for r in rows if r["concurrency"] == n), None)
 
 
 def _median_ttft(row: dict) -> float:
     return statistics.median(row["samples_ttft_s"])
 
 
-def _over(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
+def paired(a: list[float] | None, b: list[float] | None) -> dict | None:
+    """The ratio a / b of two engines measured in the same alternating rounds, round by round:
+    {median, min, max, samples}; the median is the headline, min..max its spread."""
+    if not a or not b:
+        return None
+    r = [x / y for x, y in zip(a, b, strict=True)]
+    return {"median": statistics.median(r), "min": min(r), "max": max(r), "samples": r}
 
 
 def headlines(results: dict, cfg: LaplaceConfig, sz: Sizes) -> None:
-    """docs/design.md s7's headline keys (plain numbers) and the extras beside them."""
-    lc, measured = results["laplace_cost"], results["laplace_state"]
+    """docs/design.md s7's headline keys (plain numbers), the extras beside them, and every
+    paired ratio with its spread (`ratios`)."""
+    measured = results["laplace_state"]
     computed = cfg.state_bytes_per_sequence()["total"]
-    h = results["headline"] = {
-        "cost_per_token_8k_over_2k": lc[1]["median_seconds_per_output_token"]
-        / lc[0]["median_seconds_per_output_token"],
+    ratios: dict[str, dict] = {}
+
+    def cost(who: str, field: str = "window_samples") -> dict | None:  # 8k over 2k, by round
+        rows = results.get(f"{who}_cost")
+        return paired(rows[1][field], rows[0][field]) if rows else None
+
+    def tps(a: str, b: str, key: str, n: int) -> dict | None:
+        return paired(_samples(results, f"{a}_{key}", n), _samples(results, f"{b}_{key}", n))
+
+    def prefill(a: str, b: str) -> dict | None:
+        ra, rb = results.get(f"{a}_prefill"), results.get(f"{b}_prefill")
+        if not ra or not rb:
+            return None
+        return paired(ra["samples_prompt_tokens_per_s"], rb["samples_prompt_tokens_per_s"])
+
+    def mid() -> dict | None:
+        m = results.get("mid")
+        return m and paired(
+            m["laplace"]["samples_tokens_per_s"], m["llama"]["samples_tokens_per_s"]
+        )
+
+    headline_ratios = {
+        "cost_per_token_8k_over_2k": cost("laplace"),
+        **{
+            f"over_llama_tokens_per_s_p128_s{n}": tps("laplace", "llama", "throughput_p128", n)
+            for n in sz.levels
+        },
+        "over_llama_tokens_per_s_p2048_s64": tps(
+            "laplace", "llama", "throughput_p2048", sz.long_seqs
+        ),
+        **{
+            f"compiled_over_eager_laplace_s{n}": tps(
+                "laplace_compiled", "laplace", "throughput_p128", n
+            )
+            for n in sz.levels[:2]
+        },
+        "over_llama_prefill_tokens_per_s": prefill("laplace", "llama"),
+        "over_llama_tokens_per_s_mid_s64": mid(),
+    }
+    extra_ratios = {
+        "model_forward_cost_per_token_8k_over_2k": cost("laplace", "model_forward_samples"),
+        "llama_cost_per_token_8k_over_2k": cost("llama"),
+        **{
+            f"compiled_over_eager_laplace_s{n}": tps(
+                "laplace_compiled", "laplace", "throughput_p128", n
+            )
+            for n in sz.levels[2:]
+        },
+        **{
+            f"compiled_over_eager_llama_s{n}": tps("llama_compiled", "llama", "throughput_p128", n)
+            for n in sz.levels
+        },
+        **{
+            f"over_llama_compiled_tokens_per_s_p128_s{n}": tps(
+                "laplace_compiled", "llama_compiled", "throughput_p128", n
+            )
+            for n in sz.levels
+        },
+        "over_llama_compiled_prefill_tokens_per_s": prefill("laplace_compiled", "llama_compiled"),
+        "compiled_over_eager_laplace_prefill": prefill("laplace_compiled", "laplace"),
+    }
+    h = {
         "state_bytes_per_seq_measured": measured["bytes_per_seq"],
         "state_bytes_per_seq_computed": computed,
-        "tokens_per_s_at_32": _tps(results, "laplace_throughput", 32),
+        "tokens_per_s_at_32": next(
+            (
+                r["median_tokens_per_s"]
+                for r in results["laplace_throughput"]
+                if r["concurrency"] == 32
+            ),
+            None,
+        ),
     }
-    x = results["headline_extra"] = {
-        "model_forward_cost_per_token_8k_over_2k": lc[1]["model_forward_seconds_per_output_token"]
-        / lc[0]["model_forward_seconds_per_output_token"],
-        "best_window_cost_per_token_8k_over_2k": lc[1]["seconds_per_output_token"]
-        / lc[0]["seconds_per_output_token"],
-    }
-    for n in sz.levels:
-        h[f"over_llama_tokens_per_s_p128_s{n}"] = _over(
-            _tps(results, "laplace_throughput_p128", n), _tps(results, "llama_throughput_p128", n)
-        )
-    h["over_llama_tokens_per_s_p2048_s64"] = _over(
-        _tps(results, "laplace_throughput_p2048", sz.long_seqs),
-        _tps(results, "llama_throughput_p2048", sz.long_seqs),
-    )
+    x: dict = {}
+    for target, found in ((h, headline_ratios), (x, extra_ratios)):
+        for key, r in found.items():
+            if r is not None:
+                ratios[key] = r
+                target[key] = r["median"]
     sb = results.get("shared_budget", {})
     if "llama" in sb:
         h["over_llama_tokens_per_s_1280_requests"] = (
@@ -73,47 +137,37 @@ def headlines(results: dict, cfg: LaplaceConfig, sz: Sizes) -> None:
             pc["uncached"][-1]
         ) / _median_ttft(pc["uncached"][0])
         x["prefix_cache_replies_equal"] = int(pc["replies_equal"])
-    for n in sz.compile_levels:  # vLLM's compile mode: over eager, and Laplace over Llama
-        lap_c = _tps(results, "laplace_compiled_throughput_p128", n)
-        llama_c = _tps(results, "llama_compiled_throughput_p128", n)
-        x[f"compiled_over_eager_laplace_p128_s{n}"] = _over(
-            lap_c, _tps(results, "laplace_throughput_p128", n)
-        )
-        x[f"compiled_over_eager_llama_p128_s{n}"] = _over(
-            llama_c, _tps(results, "llama_throughput_p128", n)
-        )
-        x[f"over_llama_compiled_tokens_per_s_p128_s{n}"] = _over(lap_c, llama_c)
-    if "llama_prefill" in results:
-        x["over_llama_prefill_tokens_per_s"] = statistics.median(
-            results["laplace_prefill"]["samples_prompt_tokens_per_s"]
-        ) / statistics.median(results["llama_prefill"]["samples_prompt_tokens_per_s"])
     for who in ("laplace", "llama"):
         if f"{who}_compiled_greedy_equal_eager" in results:
             x[f"{who}_compiled_greedy_equal_eager"] = results[f"{who}_compiled_greedy_equal_eager"]
-    results["headline"] = {k: v for k, v in h.items() if v is not None}  # not measured: absent
     if "llama_cost" in results:
         kv_tok, long_p = llama_kv_bytes_per_token(cfg), COST_PROMPTS[1]
         x |= {
-            "llama_cost_per_token_8k_over_2k": results["llama_cost"][1][
-                "median_seconds_per_output_token"
-            ]
-            / results["llama_cost"][0]["median_seconds_per_output_token"],
             "llama_kv_bytes_per_seq_8k": kv_tok * long_p,
             "llama_over_laplace_memory_8k": kv_tok * long_p / computed,
         }
-    results["headline_extra"] = {k: v for k, v in x.items() if v is not None}
+    results["headline"] = {k: v for k, v in h.items() if v is not None}  # not measured: absent
+    results["headline_extra"] = x
+    results["ratios"] = ratios
 
 
 def run_notes(results: dict, sz: Sizes, quick: bool) -> list[str]:
     """What a reader of the JSON must know about this run's figures."""
     notes = [
-        "Throughput figures are end to end (all requests added at once, prefill included); "
-        "tokens_per_s is the best of `repeats`, median_tokens_per_s their median, and the "
-        "headline ratios are of medians. decode_tokens_per_s: output tokens over the wall "
+        "The engines compared (Laplace and Llama, eager and compiled) are alive together and "
+        "measured in alternating rounds: in round r each runs the same prompts once, in an "
+        "order rotated by r. A ratio is taken round by round and headlined as the median of "
+        "its rounds (`ratios` keeps min, max and every round). Throughput figures are end to "
+        "end (all requests added at once, prefill included); median_tokens_per_s is the median "
+        "of the rounds, tokens_per_s the best. decode_tokens_per_s: output tokens over the wall "
         "time of the engine steps in which every scheduled request got exactly one token; steps "
         "mixing prefill chunks and decodes are not split, so it is the rate of the pure-decode "
-        "phase.",
-        "shared_budget: both engines are built with kv_cache_memory_bytes = budget_bytes "
+        "phase (median of the rounds).",
+        "cost_per_token_8k_over_2k: each round times one window of pure decode steps at 2,048 "
+        "and at 8,192 tokens of context on each engine; the ratio is taken within a round.",
+        "shared_budget: one run per model, one engine at a time (each engine holds the whole "
+        "budget), so its ratio is not of alternating rounds. Both engines are built with "
+        "kv_cache_memory_bytes = budget_bytes "
         "(VLLM_CPU_KVCACHE_SPACE, which vLLM 0.32 on CPU lets override it in whole GiB, is "
         "unset meanwhile) and the same max_num_seqs (the Laplace adapter's default for that "
         "budget); engine.allocated_bytes is what vLLM allocated. max_running: the most "

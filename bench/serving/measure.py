@@ -1,6 +1,7 @@
-"""The measurements of `bench.serve`, each on an engine it is given: batches stepped to the end,
-throughput against concurrency, prefill rate, decode cost per output token, staggered arrivals,
-the state pages' bytes, a multi-turn conversation's time to first token, greedy continuations."""
+"""The measurements of `bench.serve` on the engines they are given: batches stepped to the end;
+throughput against concurrency, prefill rate and decode cost per output token, each over several
+engines in alternating rounds; staggered arrivals, the state pages' bytes, a multi-turn
+conversation's time to first token and greedy continuations, on one engine."""
 
 from __future__ import annotations
 
@@ -73,56 +74,81 @@ def run_batch(llm, prompts, new_tokens: int) -> dict:
     }
 
 
-def throughput_vs_concurrency(llm, vocab, levels, prompt_len, new_tokens, repeats) -> list[dict]:
-    """Output tokens/s of `n` concurrent requests (prefill included); best of `repeats`
-    (other jobs on a shared machine only ever slow a run down), the median is kept too."""
-    rows = []
-    run_batch(llm, random_prompts(2, prompt_len, vocab, 0), 4)  # warm-up
+def rotated(names: list[str], r: int) -> list[str]:
+    """Round r's order: the engines rotated by r (each is first, second, ... in turn)."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
+def interleaved_throughput(
+    engines: dict, vocab, levels, prompt_len, new_tokens, rounds
+) -> dict[str, list[dict]]:
+    """Output tokens/s of `n` concurrent requests (prefill included) on every engine, measured
+    in alternating rounds: in round r each engine runs the same prompts once, in an order
+    rotated by r, so a drift of the machine's speed falls on every engine alike. Sample r of
+    each engine is from round r (the paired ratios of bench/serving/headlines.py); the median
+    of the samples is the figure, the best is kept beside it."""
+    names = list(engines)
+    for name in names:  # warm-up
+        run_batch(engines[name], random_prompts(2, prompt_len, vocab, 0), 4)
+    rows: dict[str, list[dict]] = {name: [] for name in names}
     for n in levels:
-        runs = [
-            run_batch(llm, random_prompts(n, prompt_len, vocab, n + r), new_tokens)
-            for r in range(repeats)
-        ]
-        tps = [r["tokens_per_s"] for r in runs]
-        best = max(runs, key=lambda r: r["tokens_per_s"])
-        rows.append(
-            {
-                "concurrency": n,
-                "prompt_len": prompt_len,
-                "new_tokens": new_tokens,
-                "output_tokens": best["output_tokens"],
-                "tokens_per_s": best["tokens_per_s"],
-                "median_tokens_per_s": statistics.median(tps),
-                "samples_tokens_per_s": tps,
-                "decode_tokens_per_s": max(r["decode_tokens_per_s"] for r in runs),
-                "max_running": best["max_running"],
-                "preempted": best["preempted"],
-            }
-        )
-        print(
-            f"  prompt {prompt_len:5d}, concurrency {n:3d}: {max(tps):9.1f} output tokens/s",
-            flush=True,
-        )
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        for r in range(rounds):
+            prompts = random_prompts(n, prompt_len, vocab, n + r)
+            for name in rotated(names, r):
+                runs[name].append(run_batch(engines[name], prompts, new_tokens))
+        for name in names:
+            tps = [run["tokens_per_s"] for run in runs[name]]
+            best = max(runs[name], key=lambda run: run["tokens_per_s"])
+            rows[name].append(
+                {
+                    "concurrency": n,
+                    "prompt_len": prompt_len,
+                    "new_tokens": new_tokens,
+                    "output_tokens": best["output_tokens"],
+                    "tokens_per_s": best["tokens_per_s"],
+                    "median_tokens_per_s": statistics.median(tps),
+                    "samples_tokens_per_s": tps,
+                    "decode_tokens_per_s": statistics.median(
+                        run["decode_tokens_per_s"] for run in runs[name]
+                    ),
+                    "max_running": best["max_running"],
+                    "preempted": best["preempted"],
+                }
+            )
+        shown = ", ".join(f"{k} {rows[k][-1]['median_tokens_per_s']:,.1f}" for k in names)
+        print(f"  prompt {prompt_len:5d}, concurrency {n:3d}: {shown} output tokens/s", flush=True)
     return rows
 
 
-def prefill_rate(llm, vocab: int, n_seqs: int, prompt_len: int, repeats: int) -> dict:
+def interleaved_prefill(engines: dict, vocab: int, n_seqs: int, prompt_len: int, rounds: int):
     """Prompt tokens/s of `n_seqs` prompts given at once with 1 new token each (the engine's
-    prefill, chunked by its max_num_batched_tokens); best of `repeats`."""
-    runs = [
-        run_batch(llm, random_prompts(n_seqs, prompt_len, vocab, 100 + r), 1)
-        for r in range(repeats)
-    ]
-    rates = [n_seqs * prompt_len / run["seconds"] for run in runs]
+    prefill, chunked by its max_num_batched_tokens), every engine in alternating rounds on the
+    same prompts (as `interleaved_throughput`). Returns {engine: row}."""
+    names = list(engines)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:  # warm-up
+        run_batch(engines[name], random_prompts(2, prompt_len, vocab, 0), 1)
+    for r in range(rounds):
+        prompts = random_prompts(n_seqs, prompt_len, vocab, 100 + r)
+        for name in rotated(names, r):
+            rates[name].append(
+                n_seqs * prompt_len / run_batch(engines[name], prompts, 1)["seconds"]
+            )
+    shown = ", ".join(f"{k} {statistics.median(v):,.0f}" for k, v in rates.items())
     print(
-        f"  prefill of {n_seqs} x {prompt_len}-token prompts: {max(rates):9.0f} prompt tokens/s",
-        flush=True,
+        f"  prefill of {n_seqs} x {prompt_len}-token prompts: {shown} prompt tokens/s", flush=True
     )
     return {
-        "seqs": n_seqs,
-        "prompt_len": prompt_len,
-        "prompt_tokens_per_s": max(rates),
-        "samples_prompt_tokens_per_s": rates,
+        name: {
+            "seqs": n_seqs,
+            "prompt_len": prompt_len,
+            "prompt_tokens_per_s": max(v),
+            "median_prompt_tokens_per_s": statistics.median(v),
+            "samples_prompt_tokens_per_s": v,
+        }
+        for name, v in rates.items()
     }
 
 
@@ -161,30 +187,36 @@ def _decode_cost_once(llm, vocab, prompt_len, n_seqs, new_tokens, seed: int):
     return dt / produced, model / produced
 
 
-def cost_per_output_token(llm, vocab, prompt_lens, n_seqs, new_tokens, repeats) -> list[dict]:
-    """Decode cost per output token for each prompt length, over `repeats` windows measured
-    interleaved (2k, 8k, 2k, 8k, ...). The figure is the best window: on a machine shared with
-    other jobs, their load only ever adds time; the median is kept too."""
-    samples: dict[int, list[float]] = {p: [] for p in prompt_lens}
-    model: dict[int, list[float]] = {p: [] for p in prompt_lens}
-    for r in range(repeats):
-        for p in prompt_lens:
-            eng, mod = _decode_cost_once(llm, vocab, p, n_seqs, new_tokens, 1000 + r)
-            samples[p].append(eng)
-            model[p].append(mod)
-    return [
-        {
-            "prompt_len": p,
-            "seqs": n_seqs,
-            "decode_steps": new_tokens,
-            "seconds_per_output_token": min(samples[p]),
-            "median_seconds_per_output_token": statistics.median(samples[p]),
-            "model_forward_seconds_per_output_token": min(model[p]),
-            "window_samples": samples[p],
-            "model_forward_samples": model[p],
-        }
-        for p in prompt_lens
-    ]
+def interleaved_cost(engines: dict, vocab, prompt_lens, n_seqs, new_tokens, rounds):
+    """Decode cost per output token for each engine and prompt length, over `rounds` rounds;
+    in each, every engine (order rotated by the round) times one window at every prompt length
+    (2k, 8k). Window r of each row is from round r, so 8k over 2k is a paired ratio within an
+    engine and a round (bench/serving/headlines.py). Returns {engine: rows}."""
+    names = list(engines)
+    samples = {name: {p: [] for p in prompt_lens} for name in names}
+    model = {name: {p: [] for p in prompt_lens} for name in names}
+    for r in range(rounds):
+        for name in rotated(names, r):
+            for p in prompt_lens:
+                eng, mod = _decode_cost_once(engines[name], vocab, p, n_seqs, new_tokens, 1000 + r)
+                samples[name][p].append(eng)
+                model[name][p].append(mod)
+    return {
+        name: [
+            {
+                "prompt_len": p,
+                "seqs": n_seqs,
+                "decode_steps": new_tokens,
+                "seconds_per_output_token": min(samples[name][p]),
+                "median_seconds_per_output_token": statistics.median(samples[name][p]),
+                "model_forward_seconds_per_output_token": min(model[name][p]),
+                "window_samples": samples[name][p],
+                "model_forward_samples": model[name][p],
+            }
+            for p in prompt_lens
+        ]
+        for name in names
+    }
 
 
 def staggered_vs_fixed(llm, vocab, n_requests, prompt_len, new_tokens, every_steps) -> dict:

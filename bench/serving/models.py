@@ -58,8 +58,11 @@ def make_llama(out: Path, cfg: LaplaceConfig, max_len: int) -> Path:
     return out
 
 
-def make_budget_llm(model_dir: Path, max_len: int, max_num_seqs: int, budget_bytes: int):
-    """An engine whose state pages / KV cache hold exactly `budget_bytes`.
+def make_budget_llm(
+    model_dir: Path, max_len: int, max_num_seqs: int, budget_bytes: int, compile: bool = False
+):
+    """An engine whose state pages / KV cache hold exactly `budget_bytes` (`compile`: vLLM's
+    compile mode, the adapter's `--compile`).
 
     vLLM 0.32's CPU platform (platforms/cpu.py) lets VLLM_CPU_KVCACHE_SPACE, in whole GiB,
     override `kv_cache_memory_bytes` whenever the variable is set, and vLLM parses it as an int
@@ -72,7 +75,9 @@ def make_budget_llm(model_dir: Path, max_len: int, max_num_seqs: int, budget_byt
     from serve.vllm_plugin import register
 
     register()
-    kw = engine_kwargs(str(model_dir), max_model_len=max_len, max_num_seqs=max_num_seqs)
+    kw = engine_kwargs(
+        str(model_dir), max_model_len=max_len, max_num_seqs=max_num_seqs, compile=compile
+    )
     saved = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     try:
         return LLM(**kw, kv_cache_memory_bytes=budget_bytes)

@@ -1,72 +1,106 @@
-"""The phases of a `bench.serve` run, one engine each, their figures written into `results`:
-Laplace without and with prefix caching, Llama, vLLM's compile mode, the shared budget."""
+"""The phases of a `bench.serve` run, their figures written into `results`: the side-by-side
+engines (Laplace and Llama, eager and compiled, alive together, measured in alternating rounds),
+Laplace with prefix caching, the shared budget (one engine at a time: each holds the budget)."""
 
 from __future__ import annotations
 
 import gc
+import math
 import time
 from pathlib import Path
 
 from bench.serving.measure import (
     conversation_ttft,
-    cost_per_output_token,
     greedy_tokens,
+    interleaved_cost,
+    interleaved_prefill,
+    interleaved_throughput,
     measured_state_bytes,
-    prefill_rate,
     random_prompts,
     run_batch,
     staggered_vs_fixed,
-    throughput_vs_concurrency,
 )
 from bench.serving.models import make_budget_llm
-from bench.serving.sizes import COST_PROMPTS, Sizes
+from bench.serving.sizes import COST_PROMPTS, MID_SHAPE, Sizes
 from laplace_spec.config import LaplaceConfig
 
 
-def throughput_tables(llm, vocab: int, sz: Sizes, who: str, results: dict) -> None:
-    """The three throughput tables of one engine: 64- and 128-token prompts at `levels`
-    sequences, `long_seqs` sequences at `long_prompt` tokens; and its prefill rate at the
-    shared budget's prompt length."""
-    results[f"{who}_throughput"] = throughput_vs_concurrency(
-        llm, vocab, sz.levels, 64, sz.new_tokens, sz.repeats
-    )
-    results[f"{who}_throughput_p128"] = throughput_vs_concurrency(
-        llm, vocab, sz.levels, 128, sz.p128_new_tokens, sz.repeats
-    )
-    results[f"{who}_throughput_p2048"] = throughput_vs_concurrency(
-        llm, vocab, (sz.long_seqs,), sz.long_prompt, sz.long_new_tokens, sz.repeats
-    )
-    results[f"{who}_prefill"] = prefill_rate(llm, vocab, 32, sz.budget_prompt, sz.repeats)
-
-
-def run_laplace(lap_dir: Path, cfg: LaplaceConfig, sz: Sizes, max_len: int, results: dict):
-    """The Laplace engine without prefix caching (64 sequences, the 2 GiB default budget).
-    Returns the uncached conversations' replies."""
+def side_by_side_engines(lap_dir, llama_dir, sz: Sizes, max_len: int) -> dict:
+    """The engines measured side by side, all alive at once in this process: Laplace and
+    Llama (64 sequences, the 2 GiB default budget each), eager, and in vLLM's compile mode
+    (the adapter's `--compile`) when `sz.compiled`."""
     from serve.vllm_adapter import make_llm
 
-    print("Laplace (small) through vLLM", flush=True)
-    llm = make_llm(str(lap_dir), max_model_len=max_len, max_num_seqs=64)
-    results["laplace_state"] = measured = measured_state_bytes(llm)
+    dirs = {"laplace": lap_dir, "llama": llama_dir}
+    engines = {}
+    for compile_mode in (False, True)[: 1 + bool(sz.compiled)]:
+        for who, model_dir in dirs.items():
+            if model_dir is None:
+                continue
+            name = who + ("_compiled" if compile_mode else "")
+            print(f"engine {name}", flush=True)
+            engines[name] = make_llm(
+                str(model_dir), max_model_len=max_len, max_num_seqs=64, compile=compile_mode
+            )
+    return engines
+
+
+def run_side_by_side(lap_dir, llama_dir, cfg: LaplaceConfig, sz: Sizes, max_len, results):
+    """Every figure that compares engines, in alternating rounds on engines alive together:
+    the throughput tables (64- and 128-token prompts at `levels`, `long_seqs` x `long_prompt`),
+    the prefill rate, the cost per output token at 2k and 8k, the greedy continuations of
+    each mode; then, on the eager Laplace engine, its state pages, staggered arrivals and the
+    uncached conversation. Returns the conversation's replies."""
+    engines = side_by_side_engines(lap_dir, llama_dir, sz, max_len)
+    eager = {k: v for k, v in engines.items() if not k.endswith("_compiled")}
+    lap, vocab = engines["laplace"], cfg.vocab_size
+    results["laplace_state"] = measured = measured_state_bytes(lap)
     print(
         f"  state per sequence: measured {measured['bytes_per_seq']:,} B on vLLM's pages, "
         f"computed {cfg.state_bytes_per_sequence()['total']:,} B",
         flush=True,
     )
-    throughput_tables(llm, cfg.vocab_size, sz, "laplace", results)
-    results["laplace_cost"] = cost_per_output_token(
-        llm, cfg.vocab_size, COST_PROMPTS, sz.cost_seqs, sz.cost_tokens, sz.cost_repeats
+
+    def store(suffix: str, by_engine: dict) -> None:
+        for name, value in by_engine.items():
+            results[f"{name}_{suffix}"] = value
+
+    store(
+        "throughput", interleaved_throughput(eager, vocab, sz.levels, 64, sz.new_tokens, sz.rounds)
     )
-    for c in results["laplace_cost"]:
+    store(
+        "throughput_p128",
+        interleaved_throughput(engines, vocab, sz.levels, 128, sz.p128_new_tokens, sz.rounds),
+    )
+    store(
+        "throughput_p2048",
+        interleaved_throughput(
+            eager, vocab, (sz.long_seqs,), sz.long_prompt, sz.long_new_tokens, sz.rounds
+        ),
+    )
+    store("prefill", interleaved_prefill(engines, vocab, 32, sz.budget_prompt, sz.rounds))
+    costs = interleaved_cost(
+        eager, vocab, COST_PROMPTS, sz.cost_seqs, sz.cost_tokens, sz.cost_repeats
+    )
+    store("cost", costs)
+    for c in costs["laplace"]:
         print(
-            f"  prompt {c['prompt_len']}: {1e3 * c['seconds_per_output_token']:.3f} ms per "
-            f"output token ({1e3 * c['model_forward_seconds_per_output_token']:.3f} ms in "
+            f"  Laplace, prompt {c['prompt_len']}: {1e3 * c['median_seconds_per_output_token']:.3f}"
+            f" ms per output token ({1e3 * c['model_forward_seconds_per_output_token']:.3f} ms in "
             "the model's forward)",
             flush=True,
         )
-    results["staggered"] = staggered_vs_fixed(llm, cfg.vocab_size, 32, 64, sz.new_tokens, 2)
-    results["laplace_eager_greedy_tokens"] = greedy_tokens(llm, cfg.vocab_size, sz)
+    for name, llm in engines.items():
+        results[f"{name}_greedy_tokens"] = greedy_tokens(llm, vocab, sz)
+    for who in ("laplace", "llama"):
+        if f"{who}_compiled" in engines:
+            compiled, eager_tokens = (results[f"{who}{m}_greedy_tokens"] for m in ("_compiled", ""))
+            same = sum(a == b for a, b in zip(compiled, eager_tokens, strict=True))
+            results[f"{who}_compiled_greedy_equal_eager"] = same / len(eager_tokens)
+            print(f"  {who}: compiled greedy equal to eager's: {same} of {len(compiled)}")
+    results["staggered"] = staggered_vs_fixed(lap, vocab, 32, 64, sz.new_tokens, 2)
     print("  conversation without prefix caching", flush=True)
-    rows, replies = conversation_ttft(llm, cfg.vocab_size, sz)
+    rows, replies = conversation_ttft(lap, vocab, sz)
     results["prefix_cache"] = {
         "turns": sz.turns,
         "first_tokens": sz.turn_first,
@@ -75,7 +109,7 @@ def run_laplace(lap_dir: Path, cfg: LaplaceConfig, sz: Sizes, max_len: int, resu
         "repeats": sz.turn_repeats,
         "uncached": rows,
     }
-    del llm  # its pages go with the engine core
+    del engines, eager, lap  # their pages go with the engine cores
     gc.collect()
     return replies
 
@@ -92,27 +126,6 @@ def run_laplace_prefix(lap_dir: Path, cfg: LaplaceConfig, sz: Sizes, max_len, re
     gc.collect()
     results["prefix_cache"]["cached"] = rows
     results["prefix_cache"]["replies_equal"] = cached_replies == replies
-
-
-def run_llama(llama_dir: Path, cfg: LaplaceConfig, sz: Sizes, max_len: int, results: dict):
-    """The same-size Llama: the throughput tables and the cost per output token."""
-    from serve.vllm_adapter import make_llm
-
-    print("Llama of the same width/depth/vocab through vLLM", flush=True)
-    lm = make_llm(str(llama_dir), max_model_len=max_len, max_num_seqs=64)
-    throughput_tables(lm, cfg.vocab_size, sz, "llama", results)
-    results["llama_cost"] = cost_per_output_token(
-        lm, cfg.vocab_size, COST_PROMPTS, sz.cost_seqs, sz.cost_tokens, sz.cost_repeats
-    )
-    for c in results["llama_cost"]:
-        print(
-            f"  prompt {c['prompt_len']}: {1e3 * c['seconds_per_output_token']:.3f} ms"
-            " per output token",
-            flush=True,
-        )
-    results["llama_eager_greedy_tokens"] = greedy_tokens(lm, cfg.vocab_size, sz)
-    del lm  # its pages go with the engine core
-    gc.collect()
 
 
 def shared_budget_run(model_dir: Path, vocab: int, sz: Sizes, max_num_seqs: int) -> dict:
@@ -167,26 +180,45 @@ def run_shared_budget(lap_dir, llama_dir, cfg: LaplaceConfig, sz: Sizes, results
         sb["llama"] = shared_budget_run(llama_dir, cfg.vocab_size, sz, seqs)
 
 
-def run_compiled(
-    model_dir: Path, who: str, cfg: LaplaceConfig, sz: Sizes, max_len: int, results: dict
-) -> None:
-    """vLLM's compile mode (the adapter's `--compile`): the 128-token-prompt table at
-    `compile_levels`, and the share of greedy continuations equal to the eager engine's."""
-    from serve.vllm_adapter import make_llm
+def run_mid(cfg: LaplaceConfig, sz: Sizes, tmp: Path, results: dict) -> None:
+    """The mid-size row: Laplace and Llama of about 300M parameters (`MID_SHAPE`, random
+    weights), `mid_seqs` sequences of `mid_prompt` tokens and `mid_new_tokens` new ones, each
+    engine's pages / KV cache `mid_budget_bytes`; both alive, measured in alternating rounds."""
+    from bench.serving.models import export_laplace, make_llama
 
-    print(f"{who} in vLLM's compile mode", flush=True)
-    llm = make_llm(str(model_dir), max_model_len=max_len, max_num_seqs=64, compile=True)
-    results[f"{who}_compiled_throughput_p128"] = throughput_vs_concurrency(
-        llm, cfg.vocab_size, sz.compile_levels, 128, sz.p128_new_tokens, sz.repeats
+    mid = cfg.replace(**MID_SHAPE)
+    max_len = sz.mid_prompt + sz.mid_new_tokens
+    dirs = {
+        "laplace": export_laplace(mid, tmp / "laplace_mid", max_len),
+        "llama": make_llama(tmp / "llama_mid", mid, max_len),
+    }
+    print(f"mid-size row: {MID_SHAPE}", flush=True)
+    engines = {
+        who: make_budget_llm(d, max_len, sz.mid_seqs, sz.mid_budget_bytes)
+        for who, d in dirs.items()
+    }
+    rows = interleaved_throughput(
+        engines, cfg.vocab_size, (sz.mid_seqs,), sz.mid_prompt, sz.mid_new_tokens, sz.mid_rounds
     )
-    eager = results.get(f"{who}_eager_greedy_tokens")
-    if eager is not None:
-        compiled = greedy_tokens(llm, cfg.vocab_size, sz)
-        same = sum(a == b for a, b in zip(compiled, eager, strict=True))
-        results[f"{who}_compiled_greedy_equal_eager"] = same / len(eager)
-        print(f"  greedy continuations equal to eager's: {same} of {len(eager)}", flush=True)
-    del llm
+    results["mid"] = {
+        "shape": MID_SHAPE,
+        "parameters": {who: _parameters(d) for who, d in dirs.items()},
+        "budget_bytes": sz.mid_budget_bytes,
+        **{who: rows[who][0] for who in engines},
+    }
+    del engines
     gc.collect()
+
+
+def _parameters(model_dir: Path) -> int:
+    """Parameters of an exported folder (every tensor of its safetensors files)."""
+    from safetensors import safe_open
+
+    n = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            n += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return n
 
 
 def phase(results: dict, name: str, fn, *args):
@@ -196,7 +228,7 @@ def phase(results: dict, name: str, fn, *args):
     try:
         return fn(*args)
     except Exception as e:
-        if name == "laplace":
+        if name == "side_by_side":
             raise
         results[f"{name}_error"] = repr(e)
         print(f"  {name} failed: {e!r}", flush=True)

@@ -14,27 +14,32 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     quick = " [QUICK]" if results.get("quick") else ""
     ax = axes[0]
-    for key, label in (("laplace_throughput_p128", "Laplace"), ("llama_throughput_p128", "Llama")):
+    for key, label in (
+        ("laplace_throughput_p128", "Laplace"),
+        ("llama_throughput_p128", "Llama"),
+        ("laplace_compiled_throughput_p128", "Laplace, compiled"),
+        ("llama_compiled_throughput_p128", "Llama, compiled"),
+    ):
         if key in results:
             rows = results[key]
             ax.plot(
                 [r["concurrency"] for r in rows],
-                [r["tokens_per_s"] for r in rows],
-                "o-",
+                [r["median_tokens_per_s"] for r in rows],
+                "o-" if "compiled" not in key else "s--",
                 label=label,
             )
     ax.set(
         xscale="log",
         xlabel="concurrent sequences",
         ylabel="output tokens/s",
-        title="Output tokens/s, 128-token prompts" + quick,
+        title="Output tokens/s, 128-token prompts (medians)" + quick,
     )
     ax.legend()
     ax = axes[1]
     for key, label in (("laplace_cost", "Laplace"), ("llama_cost", "Llama")):
         if key in results:
             rows = results[key]
-            ms = [1e3 * r["seconds_per_output_token"] for r in rows]
+            ms = [1e3 * r["median_seconds_per_output_token"] for r in rows]
             ax.plot([r["prompt_len"] for r in rows], ms, "o-", label=label)
     ax.set(
         xlabel="prompt tokens",

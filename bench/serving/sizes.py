@@ -7,6 +7,17 @@ import dataclasses
 from pathlib import Path
 
 PRESET = "small"
+# The mid-size row's models: about 300M parameters (Laplace: 298M) at the small preset's
+# vocabulary, its other settings unchanged; the Llama has the same width, depth and FFN width.
+MID_SHAPE = {
+    "d_model": 1024,
+    "n_layers": 22,
+    "n_heads": 8,
+    "d_k": 64,
+    "d_v": 128,
+    "ffn_dim": 2816,
+    "n_tiers": 4,
+}
 COST_PROMPTS = (2048, 8192)  # cost_per_token_8k_over_2k
 
 
@@ -20,10 +31,10 @@ class Sizes:
     long_seqs: int = 64  # sequences with `long_prompt`-token prompts
     long_prompt: int = 2048
     long_new_tokens: int = 128
-    repeats: int = 3  # best of, for every throughput figure
+    rounds: int = 5  # alternating rounds of every throughput and prefill figure (median)
     cost_tokens: int = 24  # decode steps per timed window (cost per output token)
     cost_seqs: int = 4
-    cost_repeats: int = 8
+    cost_repeats: int = 8  # rounds of cost windows (each: every engine at 2k and 8k)
     budget_requests: int = 1280  # the shared state/KV budget run
     budget_prompt: int = 1024
     budget_new_tokens: int = 128
@@ -33,9 +44,17 @@ class Sizes:
     turn_message: int = 256  # each later turn: + the reply + a new message of this many tokens
     turn_reply: int = 64
     turn_repeats: int = 3  # conversations (different tokens); best TTFT per turn
-    compile_levels: tuple[int, ...] = (1, 64)  # vLLM compile mode, 128-token prompts
-    exact_prompts: int = 8  # compile mode's greedy tokens vs eager's: prompts x exact_tokens
+    compiled: int = 1  # 1: both models in vLLM's compile mode too (128-token table, prefill)
+    exact_prompts: int = 8  # compiled engines' greedy tokens vs eager's: prompts x exact_tokens
     exact_tokens: int = 32
+    mid_seqs: int = 64  # the mid-size row (0: none): sequences, prompt, new tokens, one budget
+    mid_prompt: int = 1024
+    mid_new_tokens: int = 128
+    mid_budget_bytes: int = 4 * 2**30  # state pages / KV cache of each mid-size engine
+    mid_rounds: int = 2  # alternating rounds of the mid-size row (each ~4 minutes an engine)
+    profile_layers: tuple[int, ...] = (2, 4, 8)  # --profile: depths of the decode-step fit
+    profile_seqs: tuple[int, ...] = (1, 8)  # --profile: sequences decoding at once
+    profile_rounds: int = 7  # --profile: alternating rounds of timed windows per depth
 
 
 FULL = Sizes()
@@ -46,7 +65,7 @@ QUICK = dataclasses.replace(
     new_tokens=16,
     p128_new_tokens=32,
     long_new_tokens=16,
-    repeats=1,
+    rounds=2,
     cost_tokens=8,
     cost_seqs=2,
     cost_repeats=1,
@@ -58,6 +77,10 @@ QUICK = dataclasses.replace(
     turn_message=128,
     turn_reply=16,
     turn_repeats=2,
+    mid_seqs=4,
+    mid_prompt=256,
+    mid_new_tokens=16,
+    mid_rounds=1,
 )
 
 
@@ -66,7 +89,7 @@ def _show(v) -> str:
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    """'1,64' -> (1, 64); '' -> () (e.g. `--compile-levels ''`: no compile-mode phase)."""
+    """'1,64' -> (1, 64); '' -> ()."""
     return tuple(int(v) for v in text.split(",") if v.strip())
 
 
@@ -84,6 +107,11 @@ def parse_sizes(argv=None) -> tuple[argparse.Namespace, Sizes]:
         help="smaller sizes, a few minutes (written to serve_quick.json)",
     )
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="only the decode-step profile (bench/serving/profile.py) -> serve_profile.json",
+    )
     ap.add_argument("--out", type=Path, default=None, help="result JSON (a PNG beside it)")
     for f in dataclasses.fields(Sizes):
         is_tuple = isinstance(f.default, tuple)
