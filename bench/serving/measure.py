@@ -152,7 +152,7 @@ def interleaved_prefill(engines: dict, vocab: int, n_seqs: int, prompt_len: int,
     }
 
 
-def _decode_cost_once(llm, vocab, prompt_len, n_seqs, new_tokens, seed: int):
+def decode_window(llm, vocab, prompt_len, n_seqs, new_tokens, seed: int):
     """Seconds per output token over a window of pure decode steps at context `prompt_len`.
 
     Requests go in through the engine's step API. vLLM prefills long prompts in chunks, one
@@ -198,7 +198,7 @@ def interleaved_cost(engines: dict, vocab, prompt_lens, n_seqs, new_tokens, roun
     for r in range(rounds):
         for name in rotated(names, r):
             for p in prompt_lens:
-                eng, mod = _decode_cost_once(engines[name], vocab, p, n_seqs, new_tokens, 1000 + r)
+                eng, mod = decode_window(engines[name], vocab, p, n_seqs, new_tokens, 1000 + r)
                 samples[name][p].append(eng)
                 model[name][p].append(mod)
     return {

@@ -20,12 +20,11 @@ from __future__ import annotations
 import dataclasses
 import re
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.serving.measure import random_prompts, rotated
+from bench.serving.measure import decode_window, rotated
 
 GEMM = re.compile(r"onednn_mm|weight_packed_linear|^aten::(mm|addmm)$")
 PROMPT, WINDOW = 16, 96  # prompt tokens; decode steps per timed window
@@ -33,25 +32,10 @@ PROFILE_BUDGET = 2**26  # bytes of state pages / KV cache per engine (64 MiB: sh
 
 
 def _window(llm, vocab: int, seqs: int, seed: int, steps: int = WINDOW) -> float:
-    """Seconds per engine step over `steps` pure decode steps of `seqs` sequences."""
-    from vllm import SamplingParams
-
-    engine = llm.llm_engine
-    sp = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True, detokenize=False)
-    ids = [f"profile-{seed}-{i}" for i in range(seqs)]
-    for rid, p in zip(ids, random_prompts(seqs, PROMPT, vocab, seed), strict=True):
-        engine.add_request(rid, {"prompt_token_ids": p}, sp)
-    started: set[str] = set()
-    while len(started) < seqs:
-        started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    dt = time.perf_counter() - t0
-    engine.abort_request(ids)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return dt / steps
+    """Seconds per engine step over `steps` pure decode steps of `seqs` sequences after a
+    `PROMPT`-token prompt each (`decode_window`: seconds per output token, one token per
+    sequence and step)."""
+    return decode_window(llm, vocab, PROMPT, seqs, steps, seed)[0] * seqs
 
 
 def _profiled_gemm_seconds(llm, vocab: int, seqs: int) -> tuple[float, float]:
