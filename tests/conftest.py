@@ -1,11 +1,33 @@
-"""Test session set-up: 8 simulated CPU devices, set before JAX is imported anywhere."""
+"""Test session set-up, before JAX is imported anywhere: 8 simulated CPU devices, and one XLA
+compilation cache for every JAX process of the run; the fixtures several test files share
+(tests/shared_fixtures.py).
+
+The cache is a fresh directory per run (nothing carries from one run to the next), shared by
+this process and the trainer subprocesses it starts (they inherit the environment): a program
+that several tests compile (the tiny trainer's step on one mesh) compiles once. It keeps the
+programs that take a second or more to compile: caching every small one (thousands of eager
+ops and kernel tests) costs more than it saves. Its size limit turns on JAX's file lock, so two
+processes never read an entry while it is being written.
+"""
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="laplace-tests-xla-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(4 << 30)
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"]
+else:  # set by the caller (or by the run that started this one): theirs to keep
+    _OWN_CACHE = None
+
+from shared_fixtures import replica_server, tiny_export, vllm_engine  # noqa: E402, F401
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -16,3 +38,8 @@ def pytest_sessionfinish(session, exitstatus):
     if skipped and session.exitstatus == 0:
         reporter.write_line(f"error: {len(skipped)} test(s) skipped; the run must skip none")
         session.exitstatus = 1
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE:  # the run that made it removes it
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)

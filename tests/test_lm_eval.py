@@ -4,8 +4,10 @@ vLLM through `python -m serve.lm_eval --model laplace-vllm`, on a local multiple
 The truth is the in-package PyTorch model (serve/modeling_laplace.py): each continuation's
 log-probability, summed over its tokens, from one forward pass on context + continuation. Both
 lm-eval routes must report it per document (`--log_samples`) within `ATOL`, and agree with each
-other. Every lm-eval run is a fresh process (the commands of the README), offline: the task reads
-a jsonl file written here, and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE make any download an error.
+other. Both run offline: the task reads a jsonl file written here, and HF_HUB_OFFLINE /
+HF_DATASETS_OFFLINE make any download an error. The `hf` route is the stock `lm_eval` command in
+a fresh process (the README's); the vLLM route is `serve.lm_eval.main` in this process on the
+session's engine (the engine lm-eval asks for is checked to be that one).
 """
 
 from __future__ import annotations
@@ -17,9 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from laplace_export_helpers import export_tiny
 
-REPO = Path(__file__).resolve().parents[1]
 TASK = "laplace_tiny_mc"
 ATOL = 1e-4  # nats per continuation (fp32: the routes differ by ~1e-6)
 DOCS = [  # words of the tiny tokenizer's training text (laplace_export_helpers.corpus)
@@ -56,20 +56,17 @@ def root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def exported(root):
-    return export_tiny(root, seed=3)[2]
+def exported(tiny_export):
+    return tiny_export[2]
+
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
 @pytest.fixture(scope="module")
 def env(root):
     env = dict(os.environ)
-    env.update(
-        HF_HOME=str(root / "hf"),  # remote-code module cache and datasets cache
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-    )
+    env.update(HF_HOME=str(root / "hf"), **OFFLINE)  # remote-code module and datasets caches
     return env
 
 
@@ -110,11 +107,21 @@ def torch_truth(model_dir: Path) -> list[list[tuple[float, bool]]]:
     return out
 
 
+def task_args(out: Path) -> list[str]:
+    return ["--tasks", TASK, "--output_path", str(out), "--log_samples"]
+
+
 def run_lm_eval(cmd: list[str], out: Path, env: dict, cwd: Path) -> list[list[tuple[float, bool]]]:
     """Run an lm-eval command with the task; per document and choice (loglikelihood, greedy)."""
-    args = ["--tasks", TASK, "--output_path", str(out), "--log_samples"]
-    proc = subprocess.run(cmd + args, env=env, cwd=cwd, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        cmd + task_args(out), env=env, cwd=cwd, capture_output=True, text=True, timeout=400
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return logged_samples(out)
+
+
+def logged_samples(out: Path) -> list[list[tuple[float, bool]]]:
+    """The run's `--log_samples` file, checked: per document and choice (loglikelihood, greedy)."""
     (samples,) = out.rglob(f"samples_{TASK}_*.jsonl")
     (results,) = out.rglob("results_*.json")
     assert "acc,none" in json.loads(results.read_text())["results"][TASK]
@@ -155,21 +162,46 @@ def hf_results(exported, task_dir, env, root):
 
 
 @pytest.fixture(scope="module")
-def vllm_results(exported, task_dir, env, root):
+def vllm_results(exported, task_dir, root, vllm_engine):
+    """`python -m serve.lm_eval run --model laplace-vllm ...` as `serve.lm_eval.main` in this
+    process. lm-eval's backend builds its engine with `vllm.LLM(**kwargs)`: those kwargs must
+    set up the session engine's configuration (what `make_llm(folder, max_num_seqs=8)` set) and
+    be a valid vLLM engine configuration as a whole (EngineArgs, no engine built); the session
+    engine then answers in place of a second one of the same configuration."""
+    import datasets
+    import huggingface_hub
+    from vllm.engine.arg_utils import EngineArgs
+
+    from serve import lm_eval as laplace_lm_eval  # first: it imports lm-eval's vLLM backend
+    from serve.vllm_adapter import engine_kwargs
+
+    backend = sys.modules["lm_eval.models.vllm_causallms"]
+
+    asked = {}
+
+    def the_session_engine(**kwargs):
+        asked.update(kwargs)
+        return vllm_engine
+
     model_args = f"pretrained={exported},max_num_seqs=8"
-    cmd = [
-        sys.executable,
-        "-m",
-        "serve.lm_eval",
-        "run",
-        "--model",
-        "laplace-vllm",
-        "--model_args",
-        model_args,
-        "--include_path",
-        str(task_dir),
-    ]
-    return run_lm_eval(cmd, root / "out_vllm", env, cwd=REPO)
+    argv = ["run", "--model", "laplace-vllm", "--model_args", model_args]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend, "LLM", the_session_engine)
+        mp.setattr(sys, "argv", list(sys.argv))  # main() sets sys.argv for lm-eval's parser
+        mp.setenv("TOKENIZERS_PARALLELISM", "false")  # lm-eval sets it; given back after
+        for key, value in OFFLINE.items():
+            mp.setenv(key, value)
+        for module in (datasets.config, huggingface_hub.constants):  # read at their import
+            mp.setattr(module, "HF_HUB_OFFLINE", True)
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", root / "datasets")
+        laplace_lm_eval.main([*argv, "--include_path", str(task_dir), *task_args(root / "out")])
+    built = engine_kwargs(str(exported), max_num_seqs=8)
+    defining = ("model", "dtype", "enforce_eager", "enable_prefix_caching", "max_num_seqs")
+    assert {k: asked.get(k) for k in defining} == {k: built[k] for k in defining}
+    assert asked.get("tensor_parallel_size", 1) == 1 and asked.get("max_model_len") is None
+    config = EngineArgs(**asked).create_engine_config()
+    assert config.model_config.max_model_len == vllm_engine.llm_engine.model_config.max_model_len
+    return logged_samples(root / "out")
 
 
 def assert_matches(results, truth):

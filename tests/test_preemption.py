@@ -55,10 +55,12 @@ def _preempted_step(out: str) -> int:
     return int(line.split()[3].rstrip(":"))  # "preempted at step N[ (process i)]: ..."
 
 
-def _resume_and_compare(shards, run, step, uninterrupted):  # noqa: F811
-    out = _subprocess(_args(shards, run, *COMMON))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"resumed from {run / 'checkpoints' / str(step)} at step {step}" in out.stdout
+def _resume_and_compare(shards, run, step, uninterrupted, capsys):  # noqa: F811
+    """The rerun, in this process: it ends like the run that was never stopped."""
+    capsys.readouterr()
+    assert train_main.main(_args(shards, run, *COMMON)) == 0
+    stdout = capsys.readouterr().out
+    assert f"resumed from {run / 'checkpoints' / str(step)} at step {step}" in stdout
     got = _losses(run)
     assert sorted(got) == list(range(1, 13))
     assert got == uninterrupted
@@ -68,6 +70,7 @@ def test_sigterm_saves_the_step_it_reached_and_the_rerun_continues_the_curve(
     shards,  # noqa: F811
     tmp_path,
     uninterrupted,
+    capsys,
 ):
     run = tmp_path / "run"
     proc = _start(_args(shards, run, *COMMON))
@@ -84,7 +87,7 @@ def test_sigterm_saves_the_step_it_reached_and_the_rerun_continues_the_curve(
     assert "Traceback" not in err
     assert _ckpt_steps(run / "checkpoints") == [step]
     assert max(_losses(run)) == step  # the log ends at the saved step: nothing to supersede
-    _resume_and_compare(shards, run, step, uninterrupted)
+    _resume_and_compare(shards, run, step, uninterrupted, capsys)
 
 
 def test_two_processes_save_the_same_step_when_one_gets_sigterm(shards, tmp_path):  # noqa: F811
@@ -133,12 +136,16 @@ def test_a_full_disk_stops_with_one_message_and_resumes_once_space_is_freed(
     shards,  # noqa: F811
     small_disk,
     uninterrupted,
+    capfd,
 ):
+    """In this process, its output read at the file descriptors (the C++ runtimes' lines too); the
+    metrics-log test below runs the command as a process of its own."""
     run = small_disk / "run"
     args = _args(shards, run, *COMMON[:2], "--ckpt-every", "3", "--log-every", "1")
     args += ["eval_every=0", "keep_checkpoints=10"]
-    out = _subprocess(args)
-    assert out.returncode == 2, out.stderr[-3000:]
+    capfd.readouterr()
+    assert train_main.main(args) == 2
+    stderr = capfd.readouterr().err
     complete = _ckpt_steps(run / "checkpoints")
     assert complete and complete == list(range(3, 3 * len(complete) + 1, 3))
     failed = complete[-1] + 3
@@ -146,10 +153,10 @@ def test_a_full_disk_stops_with_one_message_and_resumes_once_space_is_freed(
         f"error: no space left on the device: the checkpoint of step {failed} was not started "
         f"(it needs about "
     )
-    assert message in out.stderr, out.stderr[-3000:]
-    assert f"Complete checkpoints: {', '.join(map(str, complete))}. Free some space" in out.stderr
-    assert "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert len(out.stderr.strip().splitlines()) <= 5, out.stderr
+    assert message in stderr, stderr[-3000:]
+    assert f"Complete checkpoints: {', '.join(map(str, complete))}. Free some space" in stderr
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert len(stderr.strip().splitlines()) <= 5, stderr
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == list(range(1, len(logged) + 1))
     assert len(logged) == failed  # the save comes after the step's line: nothing lost
@@ -158,9 +165,8 @@ def test_a_full_disk_stops_with_one_message_and_resumes_once_space_is_freed(
     # free space: grow the filesystem, then the same command resumes from the last complete one
     grow = ["mount", "-o", "remount,size=64m", str(small_disk)]
     subprocess.run(grow, check=True)
-    resumed = _subprocess(args)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"at step {complete[-1]}" in resumed.stdout
+    assert train_main.main(args) == 0
+    assert f"at step {complete[-1]}" in capfd.readouterr().out
     assert _losses(run) == uninterrupted
 
 

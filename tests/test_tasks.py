@@ -274,13 +274,14 @@ def _metrics(run_dir):
 
 
 def _task_args(run_dir, steps, *extra):
-    """MQAR (64, 4) over a 64-token task vocabulary (31 keys, 32 values: chance is 1/32) on the
-    tiny preset widened to d_model 128, 400 steps of 32 sequences (measured: 87% accuracy)."""
+    """MQAR (64, 4) over a 32-token task vocabulary (15 keys, 16 values: chance is 1/16) on the
+    tiny preset widened to d_model 128, 200 steps of 32 sequences (measured: 95% accuracy; 91%
+    and 99% with seeds 1 and 2; 120 steps are too few: 24%)."""
     return [
         "--config",
         "tiny",
         "--task",
-        "mqar:num_pairs=4,vocab_size=64",
+        "mqar:num_pairs=4,vocab_size=32",
         "--run-dir",
         str(run_dir),
         "--no-progress",
@@ -295,7 +296,7 @@ def _task_args(run_dir, steps, *extra):
         "d_v=32",
         "d_k=16",
         "ffn_dim=256",
-        "total_steps=400",
+        "total_steps=200",
         "warmup_steps=20",
         *extra,
     ]
@@ -303,14 +304,14 @@ def _task_args(run_dir, steps, *extra):
 
 def test_tiny_model_learns_mqar_and_resumes_on_the_same_batches(tmp_path):
     """MQAR (seq 64, 4 pairs): the answer loss falls from ~ln(vocab) and train.eval's accuracy on
-    fresh sequences is far above chance (1/32); a run stopped at a checkpoint and resumed logs
+    fresh sequences is far above chance (1/16); a run stopped at a checkpoint and resumed logs
     the same losses as one run straight through."""
     run = tmp_path / "run"
-    assert train_main.main(_task_args(run, 400, "ckpt_every=400")) == 0
+    assert train_main.main(_task_args(run, 200, "ckpt_every=200")) == 0
     m = _metrics(run)
     losses = [r["loss"] for r in m]
     assert abs(losses[0] - np.log(TINY.vocab_size)) < 0.5
-    assert np.mean(losses[-3:]) < 1.5, losses  # measured: 5.8 -> about 0.5
+    assert np.mean(losses[-3:]) < 1.0, losses  # measured: 5.8 -> 0.14 (0.09-0.25 over 3 seeds)
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["data"]["task"] == "mqar" and cfg["data"]["task_params"]["num_pairs"] == 4
     report, _ = train_eval.evaluate(
@@ -318,7 +319,7 @@ def test_tiny_model_learns_mqar_and_resumes_on_the_same_batches(tmp_path):
     )
     (cell,) = report["results"]
     assert (cell["seq_len"], cell["num_pairs"]) == (64, 4)
-    assert cell["accuracy"] > 10 / 32, cell  # measured: 87.3%
+    assert cell["accuracy"] > 8 / 16, cell  # 8x chance; measured: 95.1%
 
     part = tmp_path / "part"
     assert train_main.main(_task_args(part, 20, "ckpt_every=20")) == 0

@@ -1,33 +1,27 @@
 """vLLM serving: greedy parity JAX == PyTorch == vLLM, and the OpenAI server.
 
-One offline engine is shared by the parity tests and the offline command line (module fixture)
-and one server process by the server tests; each engine start costs tens of seconds on this CPU.
+The export, the offline engine and the server are the session's (tests/shared_fixtures.py):
+the parity tests and the offline command line ask the shared engine, the server tests the
+shared 2-replica server; each engine start costs tens of seconds on this CPU.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from laplace_export_helpers import adapter_server, export_tiny, free_port, post_json
+from laplace_export_helpers import post_json
+from shared_fixtures import SERVER_MAX_LEN, set_vllm_env
 
 N_NEW = 48
-REPO = Path(__file__).resolve().parents[1]
-ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with a function (state pages)
-}
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    return export_tiny(tmp_path_factory.mktemp("vllm"), seed=1)
+def exported(tiny_export):
+    return tiny_export
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +45,8 @@ def reference(exported, prompts):
 
 
 @pytest.fixture(scope="module")
-def llm(exported):
-    for k, v in ENV.items():
-        os.environ.setdefault(k, v)
-    from serve.vllm_adapter import make_llm
-
-    engine = make_llm(str(exported[2]), max_num_seqs=8)
-    yield engine
-    del engine
+def llm(vllm_engine):
+    return vllm_engine
 
 
 def test_torch_greedy_matches_jax(exported, prompts, reference):
@@ -142,8 +130,9 @@ def test_vllm_state_pages_hold_the_documented_state(llm, exported):
 
 
 def test_vllm_compiled_greedy_matches_jax(exported, prompts, reference):
-    """vLLM's compile mode (on CPU: traced once, symbolic token count, inductor); about 52 s on
-    the project's 2-core CPU, with cold and warm compile caches alike."""
+    """vLLM's compile mode (on CPU: traced once, symbolic token count, inductor); about 45 s on
+    the project's 2-core CPU, with cold and warm compile caches alike. Its own engine: compile
+    mode is a setting of the engine, not of a request."""
     from serve.vllm_adapter import generate, make_llm
 
     engine = make_llm(str(exported[2]), max_num_seqs=8, compile=True)
@@ -156,7 +145,7 @@ def test_vllm_compiled_greedy_matches_jax(exported, prompts, reference):
 def test_cli_offline_json(llm, exported, prompts, reference, monkeypatch, capsys):
     """`python -m serve.vllm_adapter --prompt ... --prompt-ids ... --json`: its main() on the
     shared engine (the engine it would build differs from the fixture's only in max_num_seqs, a
-    derived default; the server tests below run the command in a process of its own)."""
+    derived default; the server tests below ask a server the command started)."""
     from serve import vllm_adapter
 
     built = {}
@@ -179,32 +168,12 @@ def test_cli_offline_json(llm, exported, prompts, reference, monkeypatch, capsys
     assert rows[1]["token_ids"] == reference[2][:8]
 
 
-# ---- the OpenAI-compatible server ------------------------------------------------------------
-
-SERVER_MAX_LEN = 128
+# ---- the OpenAI-compatible server (the session's 2-replica server) ---------------------------
 
 
 @pytest.fixture(scope="module")
-def server(exported):
-    port = free_port()
-    env = {**os.environ, **ENV}
-    cmd = [
-        sys.executable,
-        "-m",
-        "serve.vllm_adapter",
-        "--model",
-        str(exported[2]),
-        "--port",
-        str(port),
-        "--max-model-len",
-        str(SERVER_MAX_LEN),
-        "--served-model-name",
-        "laplace-tiny",
-        "--max-num-seqs",
-        "4",
-    ]
-    with adapter_server(cmd, port, exported[2].parent / "server.log", env, REPO) as running:
-        yield running
+def server(replica_server):
+    return replica_server.base, replica_server.proc
 
 
 def test_server_completion_matches_greedy(server, prompts, reference):
@@ -300,9 +269,8 @@ def test_vllm_bf16_export_served_as_bf16(exported, prompts):
         max_len=1024,
         dtype="bf16",
     )
-    for k, v in ENV.items():
-        os.environ.setdefault(k, v)
-    engine = make_llm(str(bf), max_num_seqs=8)  # dtype: the export's
+    set_vllm_env()
+    engine = make_llm(str(bf), max_num_seqs=8)  # its own engine: the dtype is the export's
     try:
         assert engine.collective_rpc(_dtypes)[0] == (["torch.bfloat16"], ["torch.float32"])
         sp = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True, logprobs=1)

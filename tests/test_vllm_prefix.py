@@ -18,18 +18,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from laplace_export_helpers import adapter_server, export_tiny, free_port, post_json
+from laplace_export_helpers import adapter_server, free_port, post_json
+from shared_fixtures import VLLM_ENV, set_vllm_env
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 REPLY = 40  # > the block size: replies cross block boundaries in decode (state page copies)
 MESSAGE = 50
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    cfg, _, out = export_tiny(tmp_path_factory.mktemp("vllm_prefix"), seed=2)
-    return cfg, out
+def exported(tiny_export):
+    return tiny_export[0], tiny_export[2]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +46,8 @@ def _reference(model, prompt, n):
 
 @pytest.fixture(scope="module")
 def llm(exported):
-    for k, v in ENV.items():
-        os.environ.setdefault(k, v)
+    """Its own engine: prefix caching changes the state pages (align mode, a page per block)."""
+    set_vllm_env()
     from serve.vllm_adapter import make_llm
 
     engine = make_llm(
@@ -180,7 +179,8 @@ def test_engine_kwargs_and_server_argv(exported, monkeypatch):
 
 
 def test_server_with_vllm_prefix_caching_flag_serves_a_conversation(exported, torch_model):
-    """`--vllm-arg=--enable-prefix-caching` used to kill the engine on the first request."""
+    """`--vllm-arg=--enable-prefix-caching` used to kill the engine on the first request. Its own
+    server: the flag is the command line's, the behaviour under test."""
     cfg, out = exported
     port = free_port()
     cmd = [
@@ -200,7 +200,7 @@ def test_server_with_vllm_prefix_caching_flag_serves_a_conversation(exported, to
         "--vllm-arg=--enable-prefix-caching",
     ]
     log_path = out.parent / "server_prefix.log"
-    env = {**os.environ, **ENV}
+    env = {**os.environ, **VLLM_ENV}
     with adapter_server(cmd, port, log_path, env, REPO) as (base, _):
         rng = np.random.default_rng(13)
         prompt = rng.integers(0, cfg.vocab_size, 120).tolist()

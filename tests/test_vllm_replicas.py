@@ -1,9 +1,9 @@
 """Replicas: vLLM's data parallel on CPU (`--data-parallel-size N`), each engine on its own cores.
 
-The binding derivation and its errors are checked without an engine; one server with 2 replicas
-of 1 core each answers concurrent requests with the greedy tokens of the PyTorch model, and both
-replicas serve (vLLM's per-engine counters in /metrics) on the cores they were given (the
-engines' OpenMP binding log lines).
+The binding derivation and its errors are checked without an engine; the session's server with
+2 replicas of 1 core each (tests/shared_fixtures.py) answers concurrent requests with the greedy
+tokens of the PyTorch model, and both replicas serve (vLLM's per-engine counters in /metrics) on
+the cores they were given (the engines' OpenMP binding log lines).
 """
 
 from __future__ import annotations
@@ -12,23 +12,20 @@ import json
 import os
 import re
 import runpy
-import signal
 import sys
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
-from laplace_export_helpers import adapter_server, export_tiny, free_port, post_json
+from laplace_export_helpers import post_json
+from shared_fixtures import descendants
 
 from serve import replicas, vllm_adapter
 from serve.replicas import BIND_ENV, format_core_list, parse_core_list, replica_binding
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 N_NEW = 12
 N_REQUESTS = 8
 
@@ -84,9 +81,8 @@ def test_replica_binding_errors_name_the_flag(kwargs, message):
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    cfg, _, out = export_tiny(tmp_path_factory.mktemp("vllm_replicas"), seed=3)
-    return cfg, out
+def exported(tiny_export):
+    return tiny_export[0], tiny_export[2]
 
 
 def _server_argv(monkeypatch, args) -> list[str]:
@@ -140,55 +136,7 @@ def test_cli_replicas_set_the_binding_and_vllm_flag(exported, monkeypatch, capsy
     assert f"{BIND_ENV}='0|1|2' has 3 core list(s)" in capsys.readouterr().err
 
 
-# ---- one server, 2 replicas of 1 core each ---------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def replica_server(exported):
-    out = exported[1]
-    port = free_port()
-    bind = replica_binding(2, cores_per_replica=1)  # the first two usable cores
-    env = {**os.environ, **ENV}
-    env.pop(BIND_ENV, None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "serve.vllm_adapter",
-        "--model",
-        str(out),
-        "--port",
-        str(port),
-        "--max-model-len",
-        "128",
-        "--served-model-name",
-        "laplace-tiny",
-        "--max-num-seqs",
-        "4",
-        "--data-parallel-size",
-        "2",
-        "--cpu-cores-per-replica",
-        "1",
-    ]
-    log_path = out.parent / "server.log"
-    t0 = time.monotonic()
-    with adapter_server(cmd, port, log_path, env, REPO) as (base, proc):
-        print(f"2-replica server up in {time.monotonic() - t0:.1f} s")
-        children = _descendants(proc.pid)
-        yield base, bind, log_path, proc.pid
-    for pid in children:  # engine processes it started, should any outlive it
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _descendants(pid: int) -> list[int]:
-    import psutil
-
-    try:
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
+# ---- one server, 2 replicas of 1 core each (the session's: tests/shared_fixtures.py) ---------
 
 
 def _per_engine(metrics: str, name: str) -> dict[str, float]:
@@ -201,6 +149,18 @@ def _per_engine(metrics: str, name: str) -> dict[str, float]:
     return out
 
 
+def _counters(base: str) -> dict[str, dict[str, float]]:
+    """Requests served and tokens generated so far, per engine."""
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        metrics = r.read().decode()
+    names = ("vllm:request_success_total", "vllm:generation_tokens_total")
+    return {name: _per_engine(metrics, name) for name in names}
+
+
+def _since(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {e: v - before.get(e, 0.0) for e, v in now.items()}
+
+
 def test_two_replicas_answer_concurrent_requests(exported, replica_server):
     import psutil
 
@@ -208,7 +168,8 @@ def test_two_replicas_answer_concurrent_requests(exported, replica_server):
     from serve.modeling_laplace import LaplaceForCausalLM
 
     cfg, out = exported
-    base, bind, log_path, server_pid = replica_server
+    base, bind, log_path = replica_server.base, replica_server.bind, replica_server.log_path
+    server_pid = replica_server.proc.pid
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (1, 5, 17, 40, 3, 64, 9, 30)]
     assert len(prompts) == N_REQUESTS
@@ -225,6 +186,7 @@ def test_two_replicas_answer_concurrent_requests(exported, replica_server):
         }
         return post_json(base + "/v1/completions", body)
 
+    before = _counters(base)  # the server is the session's: other tests asked it too
     with ThreadPoolExecutor(N_REQUESTS) as pool:
         replies = list(pool.map(ask, prompts))
     assert [s for s, _ in replies] == [200] * N_REQUESTS, replies
@@ -232,15 +194,14 @@ def test_two_replicas_answer_concurrent_requests(exported, replica_server):
     assert got == want
 
     for _ in range(20):  # the counters are recorded as the engines' outputs arrive
-        with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
-            metrics = r.read().decode()
-        served = _per_engine(metrics, "vllm:request_success_total")
+        now = _counters(base)
+        served = _since(now["vllm:request_success_total"], before["vllm:request_success_total"])
         if sum(served.values()) >= N_REQUESTS:
             break
         time.sleep(0.5)
     assert set(served) == {"0", "1"} and all(v > 0 for v in served.values()), served
     assert sum(served.values()) == N_REQUESTS
-    generated = _per_engine(metrics, "vllm:generation_tokens_total")
+    generated = _since(now["vllm:generation_tokens_total"], before["vllm:generation_tokens_total"])
     assert sum(generated.values()) == N_REQUESTS * N_NEW and min(generated.values()) > 0
 
     # each replica's worker was bound to its own core list: vLLM's OpenMP binding log, and the
@@ -248,7 +209,7 @@ def test_two_replicas_answer_concurrent_requests(exported, replica_server):
     log = log_path.read_text()
     assert f"{BIND_ENV}={bind!r}" in log
     affinities = set()
-    for pid in _descendants(server_pid):
+    for pid in descendants(server_pid):
         try:
             affinities.add(tuple(sorted(psutil.Process(pid).cpu_affinity())))
         except psutil.NoSuchProcess:

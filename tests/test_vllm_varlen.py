@@ -9,11 +9,10 @@ continued across steps from their state pages) gives the greedy tokens of the Py
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
+from shared_fixtures import set_vllm_env
 
 from laplace_spec.config import PRESETS
 from serve.kernels import (
@@ -85,10 +84,8 @@ BUDGET = 64  # max_num_batched_tokens: a 300-token prompt takes 5 steps
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    from laplace_export_helpers import export_tiny
-
-    return export_tiny(tmp_path_factory.mktemp("vllm_varlen"), seed=3)
+def exported(tiny_export):
+    return tiny_export
 
 
 def test_vllm_small_chunked_prefill_matches_pytorch(exported):
@@ -105,8 +102,8 @@ def test_vllm_small_chunked_prefill_matches_pytorch(exported):
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (300, 1, 17, 150, 90)]
     model = LaplaceForCausalLM.from_exported(folder)
     want = [greedy_generate(model, [p], N_NEW)[0] for p in prompts]
-    for key, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}.items():
-        os.environ.setdefault(key, value)
+    set_vllm_env()
+    # its own engine: the step budget (64 tokens) is the engine's setting under test
     llm = make_llm(
         str(folder), max_num_seqs=8, max_num_batched_tokens=BUDGET, enable_chunked_prefill=True
     )
