@@ -28,13 +28,15 @@ def greedy_token(logits):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _prefill(config, params, tokens):
+def prefill(config, params, tokens):
+    """The prompt's last greedy token and the state after it (one program for all layers)."""
     logits, state = LaplaceLM(config).apply({"params": params}, tokens)
     return greedy_token(logits[:, -1]), state
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _decode(config, params, token, state):
+def decode(config, params, token, state):
+    """One token in, the next greedy token and the state after it out."""
     logits, state = LaplaceLM(config).apply(
         {"params": params}, token, state, method=LaplaceLM.decode_step
     )
@@ -73,10 +75,10 @@ def greedy_generate(
     if config.token_mixer == "attention":
         new = _greedy_by_recompute(params, config, prompt, max_new_tokens)
         return new[0] if single else new
-    token, state = _prefill(config, params, jnp.asarray(prompt))
+    token, state = prefill(config, params, jnp.asarray(prompt))
     out = [token]
     for _ in range(max_new_tokens - 1):
-        token, state = _decode(config, params, token, state)
+        token, state = decode(config, params, token, state)
         out.append(token)
     new = np.asarray(jnp.stack(out, axis=1))  # [B, max_new_tokens]
     return new[0] if single else new

@@ -124,6 +124,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def one_device() -> jax.sharding.SingleDeviceSharding:
+    """This process's first device: where a one-sequence job (the trainer's end-of-run greedy
+    sample) runs, so that its programs compile for that device alone, with no collective. Run
+    on parameters sharded over a mesh, the same job would compile to a program of the whole
+    mesh, with collectives among devices that have nothing to exchange."""
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
 def abstract_with_shardings(tree, shardings):
     """`jax.ShapeDtypeStruct`s of `tree` (arrays or structs) placed with `shardings`: what
     `jit(...).lower` and orbax's restore take to build arrays of that layout."""

@@ -155,21 +155,35 @@ def test_blocked_cross_entropy_equals_whole_logits_and_holds_one_block():
 
 
 def _train(run_dir, *flags):
-    """`python -m train.main` on the tiny preset and the embedded corpus, in this process."""
+    """`python -m train.main` on the tiny preset and the embedded corpus, in this process, its
+    end-of-run sample on (the default). The progress bar is off: it only draws on stderr."""
     from train import main as train_main
 
-    args = ["--config", "tiny", "--run-dir", str(run_dir), "--no-progress", "sample_tokens=0"]
+    args = ["--config", "tiny", "--run-dir", str(run_dir), "--no-progress"]
     assert train_main.main([*args, *flags]) == 0
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return {m["step"]: m["loss"] for m in map(json.loads, lines) if "loss" in m}
 
 
-def test_train_main_with_context_4_logs_the_one_device_losses_and_restores_elsewhere(tmp_path):
+def _sample(stdout: str) -> str:
+    """The greedy sample a run printed at its end (what follows its heading)."""
+    assert stdout.count("greedy sample (") == 1, stdout[-2000:]
+    return stdout.split("greedy sample (", 1)[1].split("wall time")[0]
+
+
+def test_train_main_with_context_4_logs_the_one_device_losses_and_restores_elsewhere(
+    tmp_path, capsys
+):
     """`train.main --mesh fsdp=2,context=4` logs the losses of the same run on one device
-    (1e-5: the reduction order differs); its step-2 checkpoint restored onto `fsdp=8` (no
+    (1e-5: the reduction order differs) and ends with its greedy sample, the one a run on one
+    device prints from the same checkpoint; its step-2 checkpoint restored onto `fsdp=8` (no
     context axis) continues the same loss curve."""
     steps = ["--steps", "4", "--ckpt-every", "2", "keep_checkpoints=2", "eval_every=0"]
+    capsys.readouterr()
     cp = _train(tmp_path / "cp", "--mesh", "fsdp=2,context=4", *steps)
+    sample = _sample(capsys.readouterr().out)
+    _train(tmp_path / "cp", "--mesh", "fsdp=1", *steps)  # step 4 restored: no step, the sample
+    assert _sample(capsys.readouterr().out) == sample
     one = _train(tmp_path / "one", "--mesh", "fsdp=1", *steps)
     moved = tmp_path / "moved"
     shutil.copytree(tmp_path / "cp", moved)
@@ -204,6 +218,73 @@ def test_init_from_goes_on_at_a_longer_length_with_context_and_refuses_another_m
     assert "holds another model (only seq_len may differ)" in err and "d_model" in err
     assert not list((tmp_path / "other").rglob("[0-9]*"))  # no checkpoint step written
     assert not (tmp_path / "other" / "metrics.jsonl").exists()
+
+
+@pytest.fixture(scope="module")
+def sample_programs():
+    """The collectives of the prefill and decode programs of the trainer's end-of-run sample
+    (laplace_jax.generate.greedy_generate) when given these parameters."""
+    from laplace_jax import hlo
+    from laplace_jax.generate import decode, prefill
+    from laplace_jax.model import init_state
+
+    prompt = jnp.zeros((1, 5), jnp.int32)
+    state = jax.eval_shape(lambda: init_state(TINY, 1))
+    token = jax.ShapeDtypeStruct((1,), jnp.int32)
+
+    def collectives(params):
+        texts = [
+            prefill.lower(TINY, params, prompt).compile().as_text(),
+            decode.lower(TINY, params, token, state).compile().as_text(),
+        ]
+        return [c["kind"] for text in texts for c in hlo.collectives(text, 8)]
+
+    return collectives
+
+
+@pytest.mark.parametrize(
+    "mesh_flag", ["data=2,fsdp=1,context=4", "fsdp=2,context=4", "data=2,fsdp=2,context=2"]
+)
+def test_the_end_of_run_sample_compiles_to_programs_without_collectives(
+    batch, sample_programs, mesh_flag
+):
+    """The trainer's sample runs on the parameters `train.loop.sample_params` makes of the mesh's
+    shards: on one device, so its programs carry no collective. On the sharded parameters
+    themselves (what the sample used to run on) they are programs of the whole mesh, with
+    collectives: the check can fail."""
+    from train.cli import mesh_from_flag
+    from train.loop import sample_params
+
+    _, _, params = batch
+    mesh = mesh_from_flag(mesh_flag)
+    placed = jax.device_put(params, param_shardings(TINY, mesh))
+    one = sample_params(placed)
+    assert {leaf.sharding.device_set.pop() for leaf in jax.tree.leaves(one)} == {jax.devices()[0]}
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(one), jax.device_get(params))
+    assert sample_programs(one) == []
+    if mesh_flag == "fsdp=2,context=4":
+        assert sample_programs(placed)
+
+
+def test_a_failing_sample_is_one_warning_and_keeps_the_exit_status(tmp_path, capsys, monkeypatch):
+    """The run has finished and saved when it samples: a sample that fails changes neither the
+    exit status nor the files, and says so in one line."""
+    from train import loop
+
+    def broken(*args):
+        raise RuntimeError("no sample today")
+
+    monkeypatch.setattr(loop, "print_sample", broken)
+    run = tmp_path / "run"
+    capsys.readouterr()
+    _train(run, "--steps", "2", "--ckpt-every", "2", "eval_every=0")
+    err = capsys.readouterr().err
+    warning = (
+        "warning: the end-of-run sample failed (RuntimeError: no sample today); the run "
+        "finished, its newest checkpoint is step 2"
+    )
+    assert warning in err and "Traceback" not in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
 
 
 def test_a_context_group_across_processes_is_refused():

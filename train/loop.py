@@ -6,6 +6,7 @@ needs (train.startup.set_up builds it); `Hooks` let tests and tools step in."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from laplace_jax.sharding import logical_sharding
+from laplace_jax.sharding import logical_sharding, one_device
 from train.checkpoint import Checkpointer
 from train.config import RunConfigs
 from train.metrics import Metrics, json_number
@@ -218,18 +219,37 @@ def evaluate(t: Trainer) -> float:
 
 def finish(t: Trainer, status: int) -> int:
     """Stop a trace still running, wait for the last checkpoint, close the logs; after a good
-    run, print a greedy sample."""
+    run, print a greedy sample. The run has finished and saved by then: a sample that fails is
+    one warning line, and the exit status stays the run's."""
     t.trace.close(t.state)
     t.ckpt.close()
     t.metrics.close()
     tc = t.cfg.train
     if status == 0 and tc.sample_tokens and t.tokenizer_src is not None:
-        params = t.state["params"]
-        if jax.process_count() > 1:  # the params span several hosts: gather a full copy
-            params = multihost_utils.process_allgather(params, tiled=True)
-        if t.main_proc:
-            print_sample(params, t.cfg.model, t.tokenizer_src, tc)
+        try:
+            params = sample_params(t.state["params"])
+            if t.main_proc:
+                print_sample(params, t.cfg.model, t.tokenizer_src, tc)
+        except Exception as e:  # noqa: BLE001  the checkpoint and logs are complete already
+            step = (t.ckpt.complete_steps() or ["none"])[-1]
+            print(
+                f"warning: the end-of-run sample failed ({type(e).__name__}: {e}); the run "
+                f"finished, its newest checkpoint is step {step}",
+                file=sys.stderr,
+            )
     return status
+
+
+def sample_params(params):
+    """The parameters on one device (sharding.one_device), however the mesh shards them: the
+    greedy sample's programs then run on that device alone, with no collective. They travel
+    through the host (a copy of each shard, no device program); with several processes every
+    process takes part in gathering them, and only the main one samples."""
+    if jax.process_count() > 1:  # the shards span several hosts
+        host = multihost_utils.process_allgather(params, tiled=True)
+    else:
+        host = jax.device_get(params)
+    return jax.device_put(host, one_device())
 
 
 def print_sample(params, cfg, tokenizer_path, tcfg) -> None:
