@@ -48,7 +48,6 @@ def run(tmp_path_factory):
         "global_batch_tokens=512",
         "--mesh",
         "fsdp=1",
-        "sample_tokens=0",
     ]
     assert train_main.main(args) == 0
     return run_dir

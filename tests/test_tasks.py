@@ -291,7 +291,6 @@ def _task_args(run_dir, steps, *extra):
         "--mesh",
         "fsdp=1",
         "eval_every=0",
-        "sample_tokens=0",
         "d_model=128",
         "d_v=32",
         "d_k=16",

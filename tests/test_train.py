@@ -62,7 +62,6 @@ def _args(shards, run_dir, *extra):
         "--run-dir",
         str(run_dir),
         "--no-progress",
-        "sample_tokens=0",
         *extra,
     ]
 
