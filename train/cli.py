@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from laplace_spec.config import ConfigError
+from train.lost_peer import DEFAULT_HEARTBEAT_TIMEOUT_S, LOST_PEER_EXIT
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,8 +68,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         "directory into RUN_DIR/restarted-<time>/",
     )
     ap.add_argument("--distributed", action="store_true", help="jax.distributed.initialize()")
+    ap.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+        metavar="S",
+        help="several processes: seconds without a process's heartbeat before it counts as lost "
+        f"and the others stop with exit status {LOST_PEER_EXIT} (default "
+        f"{DEFAULT_HEARTBEAT_TIMEOUT_S})",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return ap.parse_intermixed_args(argv)
+    args = ap.parse_intermixed_args(argv)
+    if args.heartbeat_timeout < 1:
+        ap.error(f"--heartbeat-timeout must be at least 1 second, got {args.heartbeat_timeout}")
+    return args
 
 
 def resolve_configs(args):

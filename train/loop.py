@@ -18,6 +18,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from laplace_jax.sharding import logical_sharding, one_device
+from train import lost_peer
 from train.checkpoint import Checkpointer
 from train.config import RunConfigs
 from train.metrics import Metrics, json_number
@@ -128,6 +129,7 @@ def train_loop(t: Trainer, hooks: Hooks, watch: PreemptionWatch) -> int:
         saved = (done % tc.ckpt_every == 0 or is_last) and m["bad_streak"] == 0
         if saved:
             save_checkpoint(t, done)
+        lost_peer.PROGRESS.step = done
         if hooks.after_step is not None:
             hooks.after_step(done)
         if watch.reached(done):

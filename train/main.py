@@ -52,7 +52,7 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 
 from laplace_spec.config import ConfigError  # noqa: E402
-from train import cli  # noqa: E402
+from train import cli, lost_peer  # noqa: E402
 from train.checkpoint import (  # noqa: E402
     DiskFull,
     NoUsableCheckpoint,
@@ -68,9 +68,14 @@ def run(args, hooks: Hooks | None = None) -> int:
     """Set up, train, finish: the run's exit status. Whatever happens, the started checkpoint
     save is finished (or abandoned when the disk is full) and the trace and logs are closed."""
     t = set_up(args)
+    lost_peer.PROGRESS.step, lost_peer.PROGRESS.checkpointer = t.start, t.ckpt
     watch = PreemptionWatch(t.ckpt.manager.reached_preemption)
     try:
         return finish(t, train_loop(t, hooks or Hooks(), watch))
+    except jax.errors.JaxRuntimeError as e:  # several processes: a peer may be gone
+        lost_peer.stop_if_peer_lost(e)  # if so, one line and LOST_PEER_EXIT; else:
+        t.ckpt.close()
+        raise
     except DiskFull:
         t.ckpt.abandon()
         raise

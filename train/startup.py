@@ -27,7 +27,7 @@ def set_up(args) -> Trainer:
     """Configs, data, model, optimizer and state (restored or new), then the run files; prints
     the start-up lines. Nothing in the run directory changes before the restore has succeeded
     (but for what --restart moves aside, and corrupt checkpoints set aside by a restore)."""
-    maybe_initialize_distributed(args.distributed)
+    maybe_initialize_distributed(args.distributed, args.heartbeat_timeout)
     if jax.default_backend() == "neuron":
         jax.config.update("jax_default_prng_impl", "rbg")  # Threefry is not fully supported
     from laplace_jax.accounting import training_flops_per_token

@@ -1,0 +1,164 @@
+"""A lost peer (train/lost_peer.py): two trainer processes of 2 CPU devices each, process 1
+killed with SIGKILL mid-run; the survivor says so in one line and exits LOST_PEER_EXIT within
+the heartbeat timeout plus a step, and rerunning both resumes the same loss curve."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from train.lost_peer import LOST_PEER_EXIT
+
+REPO = Path(__file__).resolve().parents[1]
+HEARTBEAT_S = 5  # --heartbeat-timeout of these runs: the bound's main term, kept short
+STEPS, CKPT_EVERY = 12, 4
+# Process `kill_process` runs train.main in-process with a hook that SIGKILLs it right after
+# step `kill_after` (after that step's checkpoint save started, when the step is a save step),
+# having written the time to `killed_at`: a real SIGKILL at a known step.
+WORKER = """
+import os, signal, sys, time
+from pathlib import Path
+import jax
+from train import main as train_main
+from train.loop import Hooks
+kill_after, killed_at, argv = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+def after_step(done):
+    if done == kill_after and jax.process_index() == 1:
+        killed_at.write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+sys.exit(train_main.main(argv, hooks=Hooks(after_step=after_step)))
+"""
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    from train.data import write_shard
+
+    d = tmp_path_factory.mktemp("shards")
+    stream = np.random.default_rng(0).integers(0, 256, 60_000)
+    write_shard(d / "train_000000.bin", stream)
+    return d
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_two(shards, run_dir, kill_after=0, killed_at=None):
+    """Both processes to their ends: [(exit status, stdout, stderr, end time)] per process."""
+    argv = [
+        "--config",
+        "tiny",
+        "--data",
+        str(shards / "train_*.bin"),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        "--steps",
+        str(STEPS),
+        "--ckpt-every",
+        str(CKPT_EVERY),
+        "--log-every",
+        "1",
+        "--heartbeat-timeout",
+        str(HEARTBEAT_S),
+        "eval_every=0",
+    ]
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        env = {
+            **os.environ,
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "JAX_PLATFORMS": "cpu",
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(i),
+        }
+        command = [sys.executable, "-c", WORKER, str(kill_after), str(killed_at), *argv]
+        procs.append(
+            subprocess.Popen(
+                command,
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            results.append((p.returncode, out, err, time.time()))
+    finally:  # a hung pair must not outlive the test
+        for p in procs:
+            p.kill()
+    return results
+
+
+def _losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {m["step"]: m["loss"] for m in map(json.loads, lines) if "loss" in m}
+
+
+def _complete_steps(run_dir):
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(shards, tmp_path_factory):
+    """The losses of the same two-process run, straight through."""
+    run = tmp_path_factory.mktemp("uninterrupted") / "run"
+    results = _run_two(shards, run)
+    assert [r[0] for r in results] == [0, 0], [r[2][-2000:] for r in results]
+    return _losses(run)
+
+
+@pytest.mark.parametrize(
+    "kill_after, newest",
+    [(6, 4), (8, 4)],  # between the checkpoints of steps 4 and 8; as step 8's async save starts
+    ids=["between-checkpoints", "during-async-save"],
+)
+def test_a_lost_peer_is_one_line_and_a_prompt_exit_and_the_rerun_loses_nothing(
+    shards, uninterrupted, tmp_path, kill_after, newest
+):
+    run, killed_at = tmp_path / "run", tmp_path / "killed_at"
+    (status0, out0, err0, ended), (status1, *_) = _run_two(shards, run, kill_after, killed_at)
+    assert status1 == -9  # SIGKILL
+    assert status0 == LOST_PEER_EXIT, err0[-3000:]
+    waited = ended - float(killed_at.read_text())
+    assert waited < HEARTBEAT_S + 10, waited  # the timeout, its sweep and the step in flight
+    line = (
+        f"lost peer: process 1 of 2 left the run after step {kill_after} (this is process 0); "
+        f"newest complete checkpoint: step {newest} ({run / 'checkpoints' / str(newest)}); "
+        f"rerun every process with the same command to resume (exit status {LOST_PEER_EXIT})"
+    )
+    assert err0.strip().splitlines()[-1] == line, err0[-3000:]
+    assert "Traceback" not in err0 and "Check failure" not in err0, err0[-3000:]
+    # the save in flight never committed: the rerun takes the newest step both processes did
+    assert _complete_steps(run) == [newest]
+
+    rerun = _run_two(shards, run)
+    assert [r[0] for r in rerun] == [0, 0], [r[2][-2000:] for r in rerun]
+    assert f"resumed from {run / 'checkpoints' / str(newest)} at step {newest}" in rerun[0][1]
+    assert _losses(run) == uninterrupted
+
+
+def test_a_heartbeat_timeout_under_a_second_is_a_usage_error():
+    from train import cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli.parse_args(["--heartbeat-timeout", "0"])
+    assert stop.value.code == 2

@@ -1,0 +1,131 @@
+"""A lost peer: a process of a multi-process run that dies without notice (a kernel panic, an
+OOM kill, a spot reclaim), and how the processes left say so and stop.
+
+Every training step all-reduces across the processes, so within one step of a death XLA
+raises `jax.errors.JaxRuntimeError` in the survivors (on CPU, Gloo's "Connection reset by
+peer"). The error does not say whether a peer died or something else broke, so
+`stop_if_peer_lost` asks JAX's coordination service which processes are alive
+(`DistributedRuntimeClient.get_live_nodes`), polling until the service has marked the dead one
+(it does after `heartbeat_timeout` seconds without its heartbeats). A process missing from the
+answer is a lost peer; when every process stays alive, the error is not ours to explain and it
+goes on. The service is made recoverable (`jax_enable_recoverability`) so that it marks a dead
+process instead of telling every other one to abort (JAX's default: exit 134, a stack dump).
+
+The survivor then prints one line (which process was lost, the step reached, the newest
+complete checkpoint, what to do) and leaves at once with `LOST_PEER_EXIT` through `os._exit`:
+a normal exit would run JAX's shutdown, which waits at a barrier for the lost process (the
+shutdown timeout, 5 minutes) and then aborts, and orbax's wait for a save in flight, whose
+commit needs every process. That save is simply not finished: orbax writes a step into a
+temporary directory and renames it only once every process has written its part (its commit
+protocol), so an unfinished save leaves no directory a rerun takes for a checkpoint; the rerun
+restores the newest step every process committed (train/checkpoint.py `complete_steps`).
+
+Not covered: the loss of process 0, which runs the coordination service. The other processes'
+distributed clients then fail their next call to it within a second and abort the process from
+their own thread (JAX's missed-heartbeat callback, exit 134). jax 0.10 takes no other callback
+from Python: its client factory accepts a `missed_heartbeat_callback`, but calling a Python one
+ends in `std::bad_cast` (the status it is handed has no Python form). The survivors still stop
+promptly and the rerun resumes as above; only the line is missing.
+
+The time from a death to the survivors' exit is at most the heartbeat timeout plus the step in
+flight: `--heartbeat-timeout` (DEFAULT_HEARTBEAT_TIMEOUT_S), passed to
+`jax.distributed.initialize`. Importing this module imports no JAX (train/cli.py reads its
+constants).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+
+# EX_UNAVAILABLE of sysexits.h: a service the run needs (a peer process) is gone; rerunning
+# every process resumes. Apart from 0 (finished), 1 (a bug), 2 (a stop with a message) and
+# 75 (preempted, train/preemption.py).
+LOST_PEER_EXIT = 69
+# Seconds without a process's heartbeat before the coordination service declares it dead. Long
+# enough for a loaded 64-core host or a congested network between hosts to miss a few beats
+# (they are sent every few seconds by a thread of their own, not by the training step); short
+# against a step of minutes' checkpoints. JAX's default is 100.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 60
+
+
+@dataclasses.dataclass
+class Progress:
+    """What the line reports, kept current by the trainer (one run per process)."""
+
+    step: int = 0  # the last step every process finished
+    checkpointer: object = None  # train.checkpoint.Checkpointer, once the run has one
+    heartbeat_timeout_s: float | None = None  # set by initialize_distributed
+
+
+PROGRESS = Progress()
+
+
+def lost_peer_line(lost: list[int]) -> str:
+    """The one line a survivor prints."""
+    import jax
+
+    ckpt = PROGRESS.checkpointer
+    complete = ckpt.complete_steps() if ckpt is not None else []
+    newest = f"step {complete[-1]} ({ckpt.directory / str(complete[-1])})" if complete else "none"
+    return (
+        f"lost peer: process {', '.join(map(str, lost))} of {jax.process_count()} left the run "
+        f"after step {PROGRESS.step} (this is process {jax.process_index()}); newest complete "
+        f"checkpoint: {newest}; rerun every process with the same command to resume (exit "
+        f"status {LOST_PEER_EXIT})"
+    )
+
+
+def leave(line: str) -> None:
+    """Print `line` and exit with LOST_PEER_EXIT now, without JAX's or orbax's shutdown (they
+    would wait for the lost process)."""
+    sys.stdout.flush()
+    print(f"\n{line}", file=sys.stderr, flush=True)
+    os._exit(LOST_PEER_EXIT)
+
+
+def lost_processes(client, timeout_s: float, poll_s: float = 0.5) -> list[int]:
+    """The processes the coordination service no longer counts alive, polled for up to
+    `timeout_s` (by its heartbeat timeout it has marked a dead process); [] if none."""
+    import jax
+
+    everyone = list(range(jax.process_count()))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            alive = client.get_live_nodes(everyone)
+        except jax.errors.JaxRuntimeError:  # the service is gone with its process, 0
+            return [0]
+        lost = [p for p in everyone if p not in alive]
+        if lost or time.monotonic() > deadline:
+            return lost
+        time.sleep(poll_s)
+
+
+def stop_if_peer_lost(error: BaseException) -> None:
+    """After `error` in a multi-process run: when a peer is gone, say so and exit (does not
+    return); else return, and the caller re-raises."""
+    import jax
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    timeout = PROGRESS.heartbeat_timeout_s
+    if not isinstance(error, jax.errors.JaxRuntimeError) or client is None or timeout is None:
+        return
+    lost = lost_processes(client, timeout + 5.0)  # + the service's own sweep interval
+    if lost:
+        leave(lost_peer_line(lost))
+
+
+def initialize_distributed(heartbeat_timeout_s: int, **kwargs) -> None:
+    """`jax.distributed.initialize(**kwargs)` with `heartbeat_timeout_s`, its coordination
+    service recoverable (`jax_enable_recoverability`): a dead process is then marked dead and
+    reported by `get_live_nodes`, instead of the service telling every other process to abort
+    (JAX's default, the stack dump of exit 134)."""
+    import jax
+
+    jax.config.update("jax_enable_recoverability", True)
+    jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s, **kwargs)
+    PROGRESS.heartbeat_timeout_s = heartbeat_timeout_s
