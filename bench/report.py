@@ -44,6 +44,8 @@ FACTS = {
     "1e-6": "the FSDP loss tolerance (tests/test_fsdp.py)",
     "1e-5": "the FSDP gradient and Muon a2a tolerance (tests/test_fsdp.py, train/neuron_smoke.py)",
     "2e-6": "the attention parity tolerance (tests/test_attention.py)",
+    "25 minutes": "the test suite's budget (bench/test_suite.py BUDGET_S)",
+    "over 30 s": "the phases bench.test_suite prints (bench/test_suite.py SLOW_PHASE_S)",
 }
 FIGURE = re.compile(
     r"(?<![\w.])("

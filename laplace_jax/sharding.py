@@ -125,11 +125,17 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def one_device() -> jax.sharding.SingleDeviceSharding:
-    """This process's first device: where a one-sequence job (the trainer's end-of-run greedy
-    sample) runs, so that its programs compile for that device alone, with no collective. Run
-    on parameters sharded over a mesh, the same job would compile to a program of the whole
-    mesh, with collectives among devices that have nothing to exchange."""
-    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    """Where a one-sequence job (the trainer's end-of-run greedy sample) runs: the host's CPU
+    device when JAX has its CPU backend (no accelerator memory or compile spent on it: a 3B
+    model's sample would take most of a NeuronCore's HBM), else this process's first device.
+    Either way its programs compile for that device alone, with no collective; run on
+    parameters sharded over a mesh, the same job would compile to a program of the whole mesh,
+    with collectives among devices that have nothing to exchange."""
+    try:
+        device = jax.local_devices(backend="cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS without cpu
+        device = jax.local_devices()[0]
+    return jax.sharding.SingleDeviceSharding(device)
 
 
 def abstract_with_shardings(tree, shardings):

@@ -35,9 +35,10 @@ The programs are compiled as the Neuron launcher runs them (`train.neuron launch
 (`LAUNCH_SETTINGS`: the unrolled chunk scan, parameters initialised on the host CPU) are added
 unless the command line sets them, and parameter init uses the rbg PRNG, as train.main does on
 the neuron backend. The verdict and the headline's census count only the programs that run on
-the devices; a host-side init is listed, marked as such. Compiled here, on XLA:CPU: what the
-Neuron compiler makes of the same program (fusion, memory planning) can differ; nothing here
-ran on Trainium.
+the devices; the host-side programs (the init, and the end-of-run sample's prefill and decode,
+on the host as train.main runs them beside the CPU backend) are listed, marked as such.
+Compiled here, on XLA:CPU: what the Neuron compiler makes of the same program (fusion, memory
+planning) can differ; nothing here ran on Trainium.
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
     }
     key = jax.eval_shape(lambda: jax.random.key(0, impl="rbg"))  # train.main's PRNG on Neuron
     prompt = min(m.chunk_size, m.seq_len)
-    # the end-of-run sample runs on one device (train.loop.sample_params): so is it compiled
+    # the end-of-run sample runs on one device (train.loop.sample_params): so is it compiled;
+    # under the launcher's setting (init_on_host: JAX's CPU backend is there) it is the host's
     on_one = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device()), tree
     )
@@ -173,7 +175,8 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
         "generate_decode": lambda: decode.lower(m, sample_params, sample_tokens((1,)), abs_state),
     }
     # where each program runs: the mesh's devices, but for these
-    runs_on = {"generate_prefill": "one device", "generate_decode": "one device"}
+    sample_on = "host" if t.init_on_host else "one device"
+    runs_on = {"generate_prefill": sample_on, "generate_decode": sample_on}
     if t.init_on_host:
         runs_on["init_params"] = "host"
     report = {}
