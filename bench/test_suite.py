@@ -40,14 +40,8 @@ def main(argv=None) -> int:
     lines = done.stdout.strip().splitlines()
     closing = lines[-1] if lines else ""
     counts = {kind.rstrip("s"): int(n) for n, kind in SUMMARY.findall(closing)}
-    print(done.stdout[-2000:])
-    if done.returncode != 0 or not counts.get("passed"):
-        raise SystemExit(f"error: the test run exited {done.returncode}: {closing!r}")
-    headline = {
-        "tests_passed": counts["passed"],
-        "tests_skipped": counts.get("skipped", 0),
-        "wall_s": round(seconds, 1),
-    }
+    failures = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    print("\n".join(failures) or "(no failures)")
     slowest = [
         {"seconds": float(m[1]), "phase": m[2], "test": m[3]}
         for line in lines
@@ -60,6 +54,14 @@ def main(argv=None) -> int:
         print(f"  {p['seconds']:7.1f} s  {p['phase']:<8} {p['test']}{flag}")
     if len(slow) == len(slowest):
         print(f"  (only the {len(slowest)} slowest are listed: raise --slowest to see the rest)")
+    if done.returncode != 0 or not counts.get("passed"):
+        print(done.stdout[-20000:])  # the failures' reports
+        raise SystemExit(f"error: the test run exited {done.returncode}: {closing!r}")
+    headline = {
+        "tests_passed": counts["passed"],
+        "tests_skipped": counts.get("skipped", 0),
+        "wall_s": round(seconds, 1),
+    }
     print(
         write_result(
             "test_suite",

@@ -27,7 +27,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 else:  # set by the caller (or by the run that started this one): theirs to keep
     _OWN_CACHE = None
 
+import shared_fixtures  # noqa: E402
 from shared_fixtures import replica_server, tiny_export, vllm_engine  # noqa: E402, F401
+
+
+def pytest_collection_finish(session):
+    """Start the subprocess jobs the collected tests will need (shared_fixtures.start_early)."""
+    if not session.config.option.collectonly:
+        shared_fixtures.start_early(session.items, session.config._tmp_path_factory)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -41,5 +48,6 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_unconfigure(config):
+    shared_fixtures.stop_early()
     if _OWN_CACHE:  # the run that made it removes it
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)

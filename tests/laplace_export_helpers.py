@@ -124,36 +124,48 @@ def post_json(url, body, timeout=120) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
+def start_server(cmd, log_path: Path, env: dict, cwd) -> subprocess.Popen:
+    """Start a server command with its output in `log_path` (not waiting for it)."""
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_for_server(proc: subprocess.Popen, port: int, log_path: Path, timeout: float = 300) -> str:
+    """Wait until the server on `port` answers /v1/models: its base URL. A server that exits or
+    does not come up fails the test with the end of its log."""
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail("server exited: " + log_path.read_text()[-4000:])
+        try:
+            with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
+                if r.status == 200:
+                    return base
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail("server did not come up: " + log_path.read_text()[-4000:])
+        time.sleep(1)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT (stopped by its own process id), killed after 60 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @contextlib.contextmanager
 def adapter_server(cmd, port: int, log_path: Path, env: dict, cwd, timeout: float = 300):
     """Run a server command (`python -m serve.vllm_adapter ... --port PORT`) with its output in
-    `log_path`; wait until /v1/models answers, yield (base URL, process); on exit stop it with
-    SIGINT (killed after 60 s). A server that exits or does not come up fails the test with the
-    end of its log."""
-    log = open(log_path, "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    `log_path`; wait until /v1/models answers, yield (base URL, process); on exit stop it."""
+    proc = start_server(cmd, log_path, env, cwd)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                pytest.fail("server exited: " + log_path.read_text()[-4000:])
-            try:
-                with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("server did not come up: " + log_path.read_text()[-4000:])
-            time.sleep(1)
-        yield base, proc
+        yield wait_for_server(proc, port, log_path, timeout), proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # stopped by its own process id
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
+        stop_server(proc)

@@ -4,6 +4,12 @@ tiny model, vLLM's offline engine on it, and the 2-replica OpenAI server.
 Each is built once per test run, because each costs tens of seconds on this project's CPU (a
 vLLM engine or server start) and one configuration serves every test that needs it. A test that
 needs an engine of another configuration builds its own and says why in one line.
+
+Jobs started early (`start_early`, called once the tests are collected): the subprocesses a run
+will need, the 2-replica server and `bench.device --dry-run`, start before the first test, so
+that their start-up (tens of seconds each) runs beside the tests that come before them, on the
+core those leave idle (a JAX compile uses one). Idle, the started server costs about 1% of a
+core. Only the jobs of the collected tests start.
 """
 
 from __future__ import annotations
@@ -13,11 +19,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from laplace_export_helpers import adapter_server, export_tiny, free_port
+from laplace_export_helpers import (
+    export_tiny,
+    free_port,
+    start_server,
+    stop_server,
+    wait_for_server,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_ENV = {
@@ -26,6 +37,43 @@ VLLM_ENV = {
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with a function (state pages)
 }
 SERVER_MAX_LEN = 128  # --max-model-len of the shared server
+EARLY: dict = {}  # what start_early started, taken by the fixtures below
+
+
+def start_early(items, tmp_path_factory) -> None:
+    """Start the early jobs the collected `items` use (see the module doc)."""
+    used = {name for item in items for name in getattr(item, "fixturenames", ())}
+    if "replica_server" in used:
+        EARLY["tiny_export"] = export_tiny(tmp_path_factory.mktemp("tiny_export"), seed=1)
+        EARLY["replica_server"] = _start_replica_server(EARLY["tiny_export"][2])
+    if "device_dry_run" in used:
+        EARLY["device_dry_run"] = start_device_dry_run(tmp_path_factory.mktemp("device"))
+
+
+def stop_early() -> None:
+    """Stop what was started early and never used (a run stopped before its tests)."""
+    for job in EARLY.values():
+        proc = getattr(job, "proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+    EARLY.clear()
+
+
+@dataclasses.dataclass
+class Job:
+    proc: subprocess.Popen
+    out: Path | None  # what it writes
+    log_path: Path  # its stdout and stderr
+    port: int = 0  # a server's
+
+
+def start_device_dry_run(root: Path) -> Job:
+    """`python -m bench.device --dry-run --out ROOT/device.json` (tests/test_device.py)."""
+    out, log_path = root / "device.json", root / "device.log"
+    cmd = [sys.executable, "-m", "bench.device", "--dry-run", "--out", str(out)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    return Job(proc, out, log_path)
 
 
 def set_vllm_env() -> None:
@@ -37,6 +85,8 @@ def set_vllm_env() -> None:
 def tiny_export(tmp_path_factory):
     """(cfg, params, folder): the tiny model with random weights, exported with its tokenizer
     (serving length 1,024): the model every vLLM and lm-eval test serves."""
+    if "tiny_export" in EARLY:  # made for the early server
+        return EARLY["tiny_export"]
     return export_tiny(tmp_path_factory.mktemp("tiny_export"), seed=1)
 
 
@@ -69,17 +119,13 @@ def descendants(pid: int) -> list[int]:
         return []
 
 
-@pytest.fixture(scope="session")
-def replica_server(tiny_export):
+def _start_replica_server(folder: Path) -> Job:
     """`python -m serve.vllm_adapter` as a user starts it, 2 replicas of 1 core each
     (`--data-parallel-size 2 --cpu-cores-per-replica 1`), max-model-len 128, 4 sequences per
-    replica: the server tests (tests/test_vllm.py) and the replica tests
-    (tests/test_vllm_replicas.py) ask it."""
-    from serve.replicas import BIND_ENV, replica_binding
+    replica."""
+    from serve.replicas import BIND_ENV
 
-    out = tiny_export[2]
     port = free_port()
-    bind = replica_binding(2, cores_per_replica=1)  # the first two usable cores
     env = {**os.environ, **VLLM_ENV}
     env.pop(BIND_ENV, None)
     cmd = [
@@ -87,7 +133,7 @@ def replica_server(tiny_export):
         "-m",
         "serve.vllm_adapter",
         "--model",
-        str(out),
+        str(folder),
         "--port",
         str(port),
         "--max-model-len",
@@ -101,12 +147,25 @@ def replica_server(tiny_export):
         "--cpu-cores-per-replica",
         "1",
     ]
-    log_path = out.parent / "replica_server.log"
-    t0 = time.monotonic()
-    with adapter_server(cmd, port, log_path, env, REPO) as (base, proc):
-        print(f"2-replica server up in {time.monotonic() - t0:.1f} s")
-        children = descendants(proc.pid)
-        yield Server(base, proc, log_path, bind)
+    log_path = folder.parent / "replica_server.log"
+    return Job(start_server(cmd, log_path, env, REPO), None, log_path, port)
+
+
+@pytest.fixture(scope="session")
+def replica_server(tiny_export):
+    """The 2-replica server (`_start_replica_server`, started early when the run collects its
+    tests): the server tests (tests/test_vllm.py) and the replica tests
+    (tests/test_vllm_replicas.py) ask it."""
+    from serve.replicas import replica_binding
+
+    job = EARLY.pop("replica_server", None) or _start_replica_server(tiny_export[2])
+    bind = replica_binding(2, cores_per_replica=1)  # the first two usable cores
+    try:
+        base = wait_for_server(job.proc, job.port, job.log_path)
+        children = descendants(job.proc.pid)
+        yield Server(base, job.proc, job.log_path, bind)
+    finally:
+        stop_server(job.proc)
     for pid in children:  # engine processes it started, should any outlive it
         try:
             os.kill(pid, signal.SIGKILL)

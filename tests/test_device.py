@@ -8,17 +8,14 @@ compiles of known peak memory.
 """
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from shared_fixtures import EARLY, start_device_dry_run
 
 from bench.device import run
 from bench.device.gla import TOLERANCE
 from bench.device.train import SAFETY, next_size, search_micro_batch
 
-ROOT = Path(__file__).resolve().parent.parent
 HEADLINE = {
     "gla_over_fla_triton_T8192",
     "train_tokens_per_s_3b",
@@ -28,16 +25,23 @@ HEADLINE = {
 
 
 @pytest.fixture(scope="module")
-def dry(tmp_path_factory):
-    out = tmp_path_factory.mktemp("device") / "device.json"
-    cmd = [sys.executable, "-m", "bench.device", "--dry-run", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text()), proc.stdout
+def device_dry_run(tmp_path_factory):
+    """(device.json, stdout) of `python -m bench.device --dry-run`, started early
+    (tests/shared_fixtures.py `start_early`: it runs beside the tests before this one)."""
+    job = EARLY.pop("device_dry_run", None) or start_device_dry_run(
+        tmp_path_factory.mktemp("device")
+    )
+    try:
+        status = job.proc.wait(timeout=900)
+    finally:
+        job.proc.kill()
+    output = job.log_path.read_text()
+    assert status == 0, output[-8000:]
+    return json.loads(job.out.read_text()), output
 
 
-def test_the_dry_run_records_every_part(dry):
-    d, stdout = dry
+def test_the_dry_run_records_every_part(device_dry_run):
+    d, stdout = device_dry_run
     assert d["dry_run"] is True
     assert set(d["headline"]) == HEADLINE
     assert all(v is None for v in d["headline"].values())  # dry-run figures are not 3B figures
@@ -53,8 +57,8 @@ def test_the_dry_run_records_every_part(dry):
     assert "decode_tokens_per_s_3b_1280" in stdout  # the printed table
 
 
-def test_skips_are_named_with_their_reasons(dry):
-    d, stdout = dry
+def test_skips_are_named_with_their_reasons(device_dry_run):
+    d, stdout = device_dry_run
     for s in d["skips"]:
         assert s["part"] in d["parts"] and s["what"] and len(s["reason"]) > 10
     if not d["environment"]["torch"]["cuda"]:  # this machine: no GPU
@@ -63,14 +67,14 @@ def test_skips_are_named_with_their_reasons(dry):
         assert "skip fla_triton" in stdout
 
 
-def test_gla_parity_is_checked_at_every_length(dry):
-    gla = dry[0]["parts"]["gla"]
+def test_gla_parity_is_checked_at_every_length(device_dry_run):
+    gla = device_dry_run[0]["parts"]["gla"]
     assert [r["T"] for r in gla["rows"]] == gla["config"]["lengths"]
     assert gla["config"]["tolerance_rel_l2"] == TOLERANCE
     for row in gla["rows"]:
         checks = row["parity"]
         assert "ours_vs_reference" in checks
-        if not dry[0]["environment"]["torch"]["cuda"]:
+        if not device_dry_run[0]["environment"]["torch"]["cuda"]:
             assert row["reference"] == "fla_naive_chunk_simple_gla_fp32"
         for check in checks.values():
             for tensor in ("o", "dq", "dk", "dv"):
@@ -81,8 +85,8 @@ def test_gla_parity_is_checked_at_every_length(dry):
     assert gla["parity_passed"] is True
 
 
-def test_train_runs_the_project_step(dry):
-    t = dry[0]["parts"]["train"]
+def test_train_runs_the_project_step(device_dry_run):
+    t = device_dry_run[0]["parts"]["train"]
     c = t["config"]
     assert (c["preset"], c["compute_dtype"], c["remat"], c["devices"]) == (
         "tiny",
@@ -99,8 +103,8 @@ def test_train_runs_the_project_step(dry):
     assert t["headline"]["train_tokens_per_s_3b"] == t["figures"]["tokens_per_s"]["median"]
 
 
-def test_decode_runs_compiled_and_eager(dry):
-    dec = dry[0]["parts"]["decode"]
+def test_decode_runs_compiled_and_eager(device_dry_run):
+    dec = device_dry_run[0]["parts"]["decode"]
     assert dec["config"]["sequences"] == 2 and dec["state_dtypes"] == ["torch.float32"]
     assert dec["state_bytes_allocated"] == dec["config"]["state_bytes_computed"]
     for name in ("compiled", "eager"):
