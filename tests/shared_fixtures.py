@@ -37,6 +37,10 @@ VLLM_ENV = {
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with a function (state pages)
 }
 SERVER_MAX_LEN = 128  # --max-model-len of the shared server
+# The environment the run started with (tests/conftest.py's settings included): vLLM and lm-eval,
+# run in this process, add to os.environ (LD_PRELOAD, thread and cache settings, ...); a process
+# that stands for a user's fresh command gets this one.
+START_ENV = dict(os.environ)
 EARLY: dict = {}  # what start_early started, taken by the fixtures below
 
 

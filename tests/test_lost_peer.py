@@ -5,7 +5,6 @@ the heartbeat timeout plus a step, and rerunning both resumes the same loss curv
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from shared_fixtures import START_ENV
 
 from train.lost_peer import LOST_PEER_EXIT
 
@@ -82,7 +82,7 @@ def _run_two(shards, run_dir, kill_after=0, killed_at=None):
     procs = []
     for i in range(2):
         env = {
-            **os.environ,
+            **START_ENV,  # two fresh commands, not children of a process that ran vLLM
             "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
             "JAX_PLATFORMS": "cpu",
             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
@@ -134,7 +134,7 @@ def _killed(shards, run, kill_after, tmp_path):
     once its status, its wait and its last line are checked."""
     killed_at = tmp_path / f"killed_at_{kill_after}"
     (status0, _, err0, ended), (status1, _, err1, _) = _run_two(shards, run, kill_after, killed_at)
-    assert status1 == -9, err1[-3000:]  # SIGKILL
+    assert status1 == -9, (status0, err0[-3000:], err1[-3000:])  # SIGKILL
     assert status0 == LOST_PEER_EXIT, err0[-3000:]
     waited = ended - float(killed_at.read_text())
     assert waited < HEARTBEAT_S + 10, waited  # the timeout, the service's sweep, the step
