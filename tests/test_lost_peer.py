@@ -5,7 +5,6 @@ the heartbeat timeout plus a step, and rerunning both resumes the same loss curv
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -139,9 +138,6 @@ def _killed(shards, run, kill_after, tmp_path):
     waited = ended - float(killed_at.read_text())
     assert waited < HEARTBEAT_S + 10, waited  # the timeout, the service's sweep, the step
     assert "Traceback" not in err0 and "Check failure" not in err0, err0[-3000:]
-    # nor the runtime's own error lines (absl's `E1202 hh:mm:ss` form): the service is
-    # recoverable, so it marks process 1 dead without telling process 0 to fail
-    assert not [line for line in err0.splitlines() if re.match(r"[EF]\d{4} ", line)], err0[-3000:]
     return err0.strip().splitlines()[-1]
 
 

@@ -8,8 +8,9 @@ peer"). The error does not say whether a peer died or something else broke, so
 (`DistributedRuntimeClient.get_live_nodes`), polling until the service has marked the dead one
 (it does after `heartbeat_timeout` seconds without its heartbeats). A process missing from the
 answer is a lost peer; when every process stays alive, the error is not ours to explain and it
-goes on. The service is made recoverable (`jax_enable_recoverability`) so that it marks a dead
-process instead of telling every other one to abort (JAX's default: exit 134, a stack dump).
+goes on. (JAX's `jax_enable_recoverability`, which would keep the service from telling the
+others to fail, is not used: with it, two-process start-ups aborted now and then in the test
+suite.) The runtime's own lines about the dead task precede ours.
 
 The survivor then prints one line (which process was lost, the step reached, the newest
 complete checkpoint, what to do) and leaves at once with `LOST_PEER_EXIT` through `os._exit`:
@@ -120,12 +121,8 @@ def stop_if_peer_lost(error: BaseException) -> None:
 
 
 def initialize_distributed(heartbeat_timeout_s: int, **kwargs) -> None:
-    """`jax.distributed.initialize(**kwargs)` with `heartbeat_timeout_s`, its coordination
-    service recoverable (`jax_enable_recoverability`): a dead process is then marked dead and
-    reported by `get_live_nodes`, instead of the service telling every other process to abort
-    (JAX's default, the stack dump of exit 134)."""
+    """`jax.distributed.initialize(**kwargs)` with `heartbeat_timeout_s`."""
     import jax
 
-    jax.config.update("jax_enable_recoverability", True)
     jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s, **kwargs)
     PROGRESS.heartbeat_timeout_s = heartbeat_timeout_s
