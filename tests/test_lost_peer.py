@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from laplace_export_helpers import free_port
 from shared_fixtures import START_ENV
 
 from train.lost_peer import LOST_PEER_EXIT
@@ -49,14 +50,6 @@ def shards(tmp_path_factory):
     return d
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_two(shards, run_dir, kill_after=0, killed_at=None):
     """Both processes to their ends: [(exit status, stdout, stderr, end time)] per process."""
     argv = [
@@ -77,7 +70,7 @@ def _run_two(shards, run_dir, kill_after=0, killed_at=None):
         str(HEARTBEAT_S),
         "eval_every=0",
     ]
-    port = _free_port()
+    port = free_port()
     procs = []
     for i in range(2):
         env = {
