@@ -4,7 +4,7 @@
 The truth is `jax.value_and_grad` of the model's own loss on one device, whole sequences through
 its own layer loop. On 8 simulated devices, `context` = 2, 4 and 8 (fsdp = 4, 2, 1) and a
 2 x 2 x 2 data x fsdp x context mesh must give the same loss (fp32: 1e-6 relative) and every
-gradient leaf (1e-5 of its largest entry), with packed documents that cross slice boundaries,
+gradient leaf (GRAD_TOL of its largest entry), with packed documents that cross slice boundaries,
 start exactly at a slice's first token (for every S used) and run back to back one token long,
 slices of one chunk (S = 4: 16 tokens, the chunk size) and of half a chunk (S = 8), and a masked
 task (the mean over the scored targets only, one sequence scoring none).
@@ -61,6 +61,13 @@ def context_value_and_grad(cfg, params, tokens, mask, data, context, remat="laye
     return jax.jit(fn)(placed, tokens, mask), mesh
 
 
+# fp32 reduction order: on a Xeon with AVX-512 the FSDP step *without* a context axis already
+# differs from the plain model by 1.4e-5 / 2.6e-5 (unmasked / masked, layer_1/aug_balance, a
+# leaf of small entries; context=2 against that FSDP step: 1.3e-6); 1e-5 passed on AMD EPYC
+# machines. A conv window not handed across slices (planted) errs by 0.80.
+GRAD_TOL = 5e-5
+
+
 def max_rel(a, b):
     """Largest |a - b| / max|b| over the leaves of two gradient trees."""
     rel = jax.tree.map(lambda x, y: float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y))), a, b)
@@ -80,7 +87,7 @@ def test_context_parallel_loss_and_gradients_equal_the_single_device_model(
     ref_loss, ref_grads = plain_value_and_grad(TINY, params, tokens, mask)
     (loss, grads), mesh = context_value_and_grad(TINY, params, tokens, mask, data, context)
     assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
-    assert max_rel(grads, ref_grads) < 1e-5
+    assert max_rel(grads, ref_grads) < GRAD_TOL
     # the gradients come back sharded like the parameters, over fsdp x context
     shardings = param_shardings(TINY, mesh)
     for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(shardings), strict=True):

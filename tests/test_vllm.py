@@ -237,7 +237,9 @@ def test_server_rejects_bad_requests_and_keeps_serving(server, bad):
 
 # ---- bf16 served as bf16; defaults derived from the folder -----------------------------------
 
-BF16_LOGPROB_TOL = 5e-3  # observed 5.1e-4; bf16 vs fp32 on the same tokens differs by ~5e-2
+# observed 5.1e-4 on an AMD EPYC and 1.6e-2 on a Xeon with AVX-512 BF16 / AMX (one of 3 prompts;
+# the other two 0.0); bf16 vs fp32 on the same tokens differs by 3.8e-2 to 4.8e-2 on both
+BF16_LOGPROB_TOL = 2e-2
 
 
 def _dtypes(worker):
@@ -285,7 +287,7 @@ def test_vllm_bf16_export_served_as_bf16(exported, prompts):
         with torch.no_grad():
             logits = module(torch.tensor([p + toks])).logits[0, len(p) - 1 : -1]
         want = torch.log_softmax(logits, -1)[torch.arange(N_NEW), toks]
-        assert (got - want).abs().max().item() <= BF16_LOGPROB_TOL
+        assert (got - want).abs().max().item() <= BF16_LOGPROB_TOL, (got - want).abs().max()
 
 
 def test_default_max_num_seqs_from_the_state_page_budget(llm, exported):

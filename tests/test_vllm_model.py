@@ -308,10 +308,18 @@ def test_state_dtypes_follow_vllm_cache_settings():
 
     f32, bf16 = torch.float32, torch.bfloat16
 
-    def dtypes(**cache):
-        return state_dtypes(VllmConfig(cache_config=CacheConfig(**cache)))
+    def dtypes(**cache):  # set after VllmConfig's platform check, which may reset one (below)
+        config = VllmConfig()
+        for name, value in cache.items():
+            setattr(config.cache_config, name, value)
+        return state_dtypes(config)
 
     assert dtypes() == (f32, f32)
     assert dtypes(mamba_ssm_cache_dtype="bfloat16") == (bf16, f32)
     assert dtypes(mamba_cache_dtype="bfloat16") == (bf16, bf16)
     assert dtypes(mamba_cache_dtype="bfloat16", mamba_ssm_cache_dtype="float32") == (f32, bf16)
+    # vLLM 0.32's CPU platform (platforms/cpu.py) resets a bf16 SSM cache dtype to fp32 on CPUs
+    # with AVX-512 BF16 for models off its GDN backend: the pages are then fp32 (README)
+    asked = VllmConfig(cache_config=CacheConfig(mamba_ssm_cache_dtype="bfloat16"))
+    reset = asked.device_config.device.type == "cpu" and torch.cpu._is_avx512_bf16_supported()
+    assert state_dtypes(asked) == ((f32, f32) if reset else (bf16, f32))
