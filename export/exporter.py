@@ -113,6 +113,12 @@ def convert(cfg: LaplaceConfig, params: Mapping, dtype: str = "fp32") -> Convert
             f"token_mixer={cfg.token_mixer!r} is the retrieval baseline (trained and evaluated "
             "in JAX); only token_mixer='gla' checkpoints export"
         )
+    if cfg.attention_every:  # the serving side of the hybrid is not built yet
+        raise ExportError(
+            f"attention_every={cfg.attention_every}: a hybrid checkpoint (attention layers among "
+            "the GLA ones) trains and evaluates in JAX, but its export, PyTorch model and vLLM "
+            "serving are not built yet; only pure Laplace checkpoints (attention_every=0) export"
+        )
     flat = flatten_dict(dict(params), sep="/")  # flat `/` paths pass through unchanged
     check_params(cfg, flat)
     out = ConvertedTensors(cfg, flat, dtype)

@@ -30,28 +30,29 @@ def parameter_counts(config: LaplaceConfig) -> dict[str, int]:
 
 
 def gla_flops_per_token(config: LaplaceConfig) -> int:
-    """Forward FLOPs per token of the chunked GLA beyond the weight matmuls, all layers.
+    """Forward FLOPs per token of the chunked GLA beyond the weight matmuls, all GLA layers.
 
     Per head and token: Q K^T and A V inside the chunk (2 C d_k + 2 C d_v), its write into the
     state and the read of the previous state (2 d_k d_v each).
     """
     C, dk, dv = config.chunk_size, config.d_k, config.d_v
     per_head = 2 * C * (dk + dv) + 4 * dk * dv
-    return config.n_layers * config.n_heads * per_head
+    return config.n_gla_layers * config.n_heads * per_head
 
 
 def attention_flops_per_token(config: LaplaceConfig) -> int:
-    """Forward FLOPs per token of softmax attention (`token_mixer="attention"`), all layers.
+    """Forward FLOPs per token of softmax attention, all attention layers (every layer of the
+    `token_mixer="attention"` baseline, a hybrid's attention layers).
 
     Per head and token: q K^T and P V over the whole square (2 T d_k + 2 T d_v at T = seq_len),
     as FlashAttention's count does; the causal half is not subtracted.
     """
     T, dk, dv = config.seq_len, config.d_k, config.d_v
-    return config.n_layers * config.n_heads * 2 * T * (dk + dv)
+    return config.n_attention_layers * config.n_heads * 2 * T * (dk + dv)
 
 
 def training_flops_per_token(config: LaplaceConfig) -> int:
     """Model FLOPs of one training token: 6 x parameters (the write-up's count) + 3 x the token
-    mixer's terms (GLA, or attention for the baseline)."""
-    mixer = {"gla": gla_flops_per_token, "attention": attention_flops_per_token}
-    return 6 * parameter_counts(config)["total_params"] + 3 * mixer[config.token_mixer](config)
+    mixers' terms (the GLA layers' and the attention layers')."""
+    mixers = gla_flops_per_token(config) + attention_flops_per_token(config)
+    return 6 * parameter_counts(config)["total_params"] + 3 * mixers

@@ -12,11 +12,13 @@ replicated (norm scales, biases) are not gathered; their gradient is summed over
 
 The decoder layers run as a `lax.scan` over the layer-stacked shards (MaxText's `scan_layers`; a
 loop with a static trip count, which Neuron accepts), so only one layer's gathered weights and
-full gradient are live at a time. With a `remat` policy the scan body is a `jax.checkpoint`: the
-backward keeps each layer's input only, gathers the layer's weights again and recomputes it, the
-FSDP ideal's second gather (docs/design.md s8). The parameter tree is unchanged
-(`layer_{i}/...`): the stacking is of each device's local shards, inside the step, and moves no
-data between devices.
+full gradient are live at a time. A hybrid (`attention_every=k`) scans blocks of k layers, the
+block's k - 1 GLA layers and its attention layer written out in the body (MaxText scans
+Qwen3-Next's blocks this way), each layer its own remat checkpoint. With a `remat` policy each
+layer is a `jax.checkpoint`: the backward keeps each layer's input only, gathers the layer's
+weights again and recomputes it, the FSDP ideal's second gather (docs/design.md s8). The
+parameter tree is unchanged (`layer_{i}/...`): the stacking is of each device's local shards,
+inside the step, and moves no data between devices.
 
 The math is the model's own: `LaplaceLM` runs the embedding, final norm and head on gathered
 weights, with its decoder layers replaced by the scan of `DecoderLayer` (its `layers` argument),
@@ -135,11 +137,6 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
     mesh_axes = tuple(mesh.axis_names)
     L = cfg.n_layers
     context = mesh.shape.get(CONTEXT, 1)
-    if context > 1 and cfg.token_mixer == "attention":
-        raise ValueError(
-            "token_mixer='attention' (the retrieval baseline) has no context-parallel form: "
-            "train it without a context axis"
-        )
     flat_specs = traverse_util.flatten_dict(param_specs, sep="/")
 
     def gather_args(path):  # static (axis, over, dtype, mesh axes) of the parameter at `path`
@@ -150,11 +147,16 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
         p.split("/", 1)[1]: gather_args(p) for p in flat_specs if p.startswith("layer_0/")
     }
 
-    # built here, outside the model's apply; on a context axis it holds one slice of each sequence
-    decoder_layer = DecoderLayer(cfg, model.unroll, CONTEXT if context > 1 else None)
+    # built here, outside the model's apply; on a context axis it holds one slice of each
+    # sequence. The layers repeat in blocks of k = cfg.block_size (a hybrid's k - 1 GLA layers and
+    # its attention layer; k = 1 otherwise), so the scan runs over blocks and a block's layers
+    # are written out in it: no conditional picks a layer's mixer.
+    k = cfg.block_size
+    axis = CONTEXT if context > 1 else None
+    block_layers = [DecoderLayer(cfg, model.unroll, axis, cfg.layer_mixers[j]) for j in range(k)]
 
-    def layer(x, stacked_shards, reset=None):  # x: [b, T, D]; one layer's shards; reset [b, T]
-        weights = {p: gather_weight(stacked_shards[p], *layer_args[p]) for p in layer_args}
+    def layer(decoder_layer, x, shards, reset=None):  # x: [b, T, D]; one layer's shards
+        weights = {p: gather_weight(shards[p], *layer_args[p]) for p in layer_args}
         b = x.shape[0]
         state = {
             "gla": jnp.zeros((b, *cfg.gla_state_shape), f32),
@@ -163,20 +165,31 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
         layer_params = traverse_util.unflatten_dict(weights, sep="/")
         kw = {} if reset is None else {"reset": reset}
         x, _ = decoder_layer.apply({"params": layer_params}, x, state, **kw)
-        return x, None
+        return x
 
+    # per-layer remat: each layer of a block is its own checkpoint
+    layer_fns = [functools.partial(layer, d) for d in block_layers]
     if REMAT_POLICIES[remat] is not None:
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+        layer_fns = [jax.checkpoint(f, policy=REMAT_POLICIES[remat]) for f in layer_fns]
+
+    def block(x, block_shards, reset):  # one block's shards: [k, ...] per path ([...] if k = 1)
+        if k == 1:
+            return layer_fns[0](x, block_shards, reset), None
+        for j, f in enumerate(layer_fns):
+            x = f(x, {p: a[j] for p, a in block_shards.items()}, reset)
+        return x, None
 
     def forward(shards, tokens, outputs):
         # shards: this device's {path: shard}; tokens: its sequences' windows [b, T + 1]
-        inputs, targets, reset = next_token_slice(tokens, eot_id, decoder_layer.context_axis)
+        inputs, targets, reset = next_token_slice(tokens, eot_id, axis)
         stacked = {  # [L, ...] per layer parameter: local shards only, no communication
             p: jnp.stack([shards[f"layer_{i}/{p}"] for i in range(L)]) for p in layer_args
         }
+        if k > 1:  # [L / k, k, ...]: blocks of k layers
+            stacked = {p: a.reshape(L // k, k, *a.shape[1:]) for p, a in stacked.items()}
 
-        def layers(x, reset):  # the decoder layers: a scan over the stacked shards, [b, T, D]
-            x, _ = jax.lax.scan(lambda x, s: layer(x, s, reset), x, stacked)
+        def layers(x, reset):  # the decoder layers: a scan over the blocks' shards, [b, T, D]
+            x, _ = jax.lax.scan(lambda x, s: block(x, s, reset), x, stacked)
             return x
 
         top = {p: gather_weight(shards[p], *gather_args(p)) for p in TOP_LEVEL}

@@ -44,7 +44,7 @@ def decode(config, params, token, state):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _next_token_by_recompute(config, params, tokens, position):
+def next_token_by_recompute(config, params, tokens, position):
     logits, _ = LaplaceLM(config).apply({"params": params}, tokens)  # [B, T + n, V]
     return greedy_token(jnp.take(logits, position, axis=1))  # the prediction after `position`
 
@@ -56,7 +56,7 @@ def _greedy_by_recompute(params, config, prompt, max_new_tokens) -> np.ndarray:
     buf = np.zeros((B, T + max_new_tokens), np.int32)
     buf[:, :T] = prompt
     for i in range(max_new_tokens):
-        token = _next_token_by_recompute(config, params, jnp.asarray(buf), T - 1 + i)
+        token = next_token_by_recompute(config, params, jnp.asarray(buf), T - 1 + i)
         buf[:, T + i] = np.asarray(token)
     return buf[:, T:]
 
@@ -72,7 +72,7 @@ def greedy_generate(
         raise ValueError("greedy_generate needs a prompt of at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if config.token_mixer == "attention":
+    if "attention" in config.layer_mixers:  # no decode step: the whole sequence each token
         new = _greedy_by_recompute(params, config, prompt, max_new_tokens)
         return new[0] if single else new
     token, state = prefill(config, params, jnp.asarray(prompt))

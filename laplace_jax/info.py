@@ -28,6 +28,15 @@ def main(argv=None):
     print(f"  conv window ({cfg.conv_width}-wide) {state['conv']:>16,} bytes")
     print(f"  total                {state['total']:>16,} bytes  (used by this model)")
     print(f"  total, {cfg.conv_width - 1}-wide window {state_short['total']:>16,} bytes")
+    if cfg.attention_every:
+        print(
+            f"hybrid: attention every {cfg.attention_every} layers: {cfg.n_gla_layers} GLA layers "
+            f"keep a state, {cfg.n_attention_layers} attention layers a KV cache (every layer "
+            "a conv window)"
+        )
+        for n in (2_048, 8_192, 32_768):
+            kv = cfg.hybrid_kv_bytes(n)
+            print(f"  {n:>6,} tokens        {kv:>16,} bytes  bf16 KV of the attention layers")
     print("bf16 KV cache of a transformer of the same width and depth")
     for n in (2_048, 8_192, 32_768):
         kv = cfg.kv_cache_bytes(n)

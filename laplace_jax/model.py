@@ -15,6 +15,8 @@ the GLA matrices and the last W inputs of the causal convolution (see `init_stat
 
 The retrieval baseline, `token_mixer="attention"` (laplace_jax/attention.py), is this model with
 step 4 done by causal softmax attention: same parameters, whole sequences only (no `state`).
+The hybrid, `attention_every=k`, makes the last layer of each block of k such an attention layer
+(`config.layer_mixers`); it too runs whole sequences only in JAX.
 
 Packed documents: `model.apply(..., tokens, reset=reset)` with `reset` [B, T] bool, True where a
 new document starts (`reset_after_eot(tokens, eot_id)`: the token after each end-of-text). Before
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laplace_jax.attention import causal_attention
+from laplace_jax.attention_context import attention_context_parallel
 from laplace_jax.context_parallel import gla_context_parallel, window_from_previous_slice
 from laplace_jax.gla import gla_chunked, gla_step
 from laplace_spec.config import LaplaceConfig
@@ -149,6 +152,9 @@ class DecoderLayer(nn.Module):
     # and the conv take what came before the slice from the devices before it. None: whole
     # sequences.
     context_axis: str | None = None
+    # Step 4 of this layer, "gla" or "attention" (config.layer_mixers[i] for layer i); None: the
+    # config's token_mixer (every layer alike).
+    mixer: str | None = None
 
     @nn.compact
     def __call__(self, x, state, decode: bool = False, reset=None):
@@ -179,16 +185,20 @@ class DecoderLayer(nn.Module):
         v = v.reshape(B, T, H, dv)  # g stays [B, T, H * dv]
 
         # 4. GLA with the fixed decay schedule (not a parameter); or, for the retrieval baseline
-        # (token_mixer="attention"), causal softmax attention over the same q, k, v
+        # (token_mixer="attention") and a hybrid's attention layers, causal softmax attention over
+        # the same q, k, v (under context parallelism over this and the earlier slices' keys)
         log_decay = jnp.asarray(cfg.log_decay(), f32)  # [H]
-        if cfg.token_mixer == "attention":
+        if (self.mixer or cfg.token_mixer) == "attention":
             if decode:
                 raise ValueError(
-                    "token_mixer='attention' (the retrieval baseline) has no recurrent state to "
-                    "decode from: it trains and evaluates full sequences only"
+                    "an attention layer (token_mixer='attention' or a hybrid's) has no recurrent "
+                    "state to decode from: the JAX model runs it on full sequences only"
                 )
-            o = causal_attention(q, k, v, reset, cfg.qk_scale)  # [B, T, H, dv]; keeps no state
-            gla_state = state["gla"]
+            if sliced:
+                o = attention_context_parallel(q, k, v, reset, self.context_axis, cfg.qk_scale)
+            else:
+                o = causal_attention(q, k, v, reset, cfg.qk_scale)  # [B, T, H, dv]
+            gla_state = state["gla"]  # keeps no state
         elif decode:  # the O(1) recurrent step
             r = None if reset is None else reset[:, 0]
             o, gla_state = gla_step(
@@ -254,7 +264,8 @@ class LaplaceLM(nn.Module):
             embedding_init=nn.with_logical_partitioning(_normal(cfg.init_std), ("vocab", "embed")),
         )
         self.layers = [
-            DecoderLayer(cfg, self.unroll, name=f"layer_{i}") for i in range(cfg.n_layers)
+            DecoderLayer(cfg, self.unroll, mixer=mixer, name=f"layer_{i}")
+            for i, mixer in enumerate(cfg.layer_mixers)
         ]
         self.ln_f = LayerNorm(cfg.norm_eps)
         self.lm_head = Dense(
@@ -268,10 +279,10 @@ class LaplaceLM(nn.Module):
     def _decoder(self, tokens, state, decode, reset=None, layers=None):
         """tokens [B, T] -> (x [B, T, D] after the decoder layers, the new state or None)."""
         cfg = self.config
-        if cfg.token_mixer == "attention" and state is not None:
+        if "attention" in cfg.layer_mixers and state is not None:
             raise ValueError(
-                "token_mixer='attention' keeps no recurrent state: call the model on whole "
-                "sequences, without `state`"
+                "attention layers (token_mixer='attention' or attention_every) keep no recurrent "
+                "state: call the model on whole sequences, without `state`"
             )
         x = self.embed(tokens).astype(jnp.dtype(cfg.compute_dtype))  # [B, T, D]
         if layers is not None:  # the decoder layers run by the caller (FSDP: gathered weights)

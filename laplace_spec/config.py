@@ -53,6 +53,11 @@ class LaplaceConfig:
     # q, k, v with the rest of the layer unchanged (the retrieval baseline, docs/design.md s9;
     # trains and evaluates full sequences, has no recurrent state and is not exported or served).
     token_mixer: str = "gla"
+    # The hybrid (docs/design.md s13): with attention_every = k >= 2 the last layer of every block
+    # of k layers does step 4 with causal softmax attention (the `token_mixer="attention"` layer:
+    # the same parameters, no positional encoding) and the other k - 1 are Laplace's. 0: every
+    # layer is Laplace's (the default and the 3B recipe).
+    attention_every: int = 0
 
     def __post_init__(self):
         validate(self)
@@ -80,6 +85,30 @@ class LaplaceConfig:
         return self.n_heads // self.n_tiers
 
     @property
+    def layer_mixers(self) -> tuple[str, ...]:
+        """Each layer's step 4, "gla" or "attention": layer i is an attention layer when
+        attention_every = k and (i + 1) % k == 0 (the last of each block of k)."""
+        k = self.attention_every
+        if k:
+            return tuple("attention" if (i + 1) % k == 0 else "gla" for i in range(self.n_layers))
+        return (self.token_mixer,) * self.n_layers
+
+    @property
+    def block_size(self) -> int:
+        """Layers per repeating block: attention_every for a hybrid, else 1 (every layer alike).
+        The FSDP layer scan runs over n_layers / block_size blocks of this many layers."""
+        return self.attention_every or 1
+
+    @property
+    def n_gla_layers(self) -> int:
+        """The layers that keep a GLA state (the others keep a KV cache)."""
+        return self.layer_mixers.count("gla")
+
+    @property
+    def n_attention_layers(self) -> int:
+        return self.layer_mixers.count("attention")
+
+    @property
     def n_chunks(self) -> int:
         return self.seq_len // self.chunk_size
 
@@ -105,19 +134,29 @@ class LaplaceConfig:
         return self.conv_width, self.d_model
 
     def state_bytes_per_sequence(self, conv_window: int | None = None) -> dict[str, int]:
-        """fp32 state bytes of one sequence: {"gla", "conv", "total"}, all layers.
+        """fp32 state bytes of one sequence: {"gla", "conv", "total"}, all layers: the GLA
+        matrices of every layer that keeps one (all but a hybrid's attention layers; every layer
+        of the attention baseline counted as if it did) and every layer's conv window (attention
+        layers convolve too).
 
         With the model's `conv_width`-wide window, 29,491,200 for 3B (the write-up's 29.5 MB);
         a decoder keeping only the `conv_width - 1` past inputs would need 29,196,288.
         """
         W = self.conv_width if conv_window is None else conv_window
-        gla = self.n_layers * math.prod(self.gla_state_shape) * FP32_BYTES
+        gla_layers = self.n_layers - (self.n_attention_layers if self.attention_every else 0)
+        gla = gla_layers * math.prod(self.gla_state_shape) * FP32_BYTES
         conv = self.n_layers * W * self.d_model * FP32_BYTES
         return {"gla": gla, "conv": conv, "total": gla + conv}
 
     def kv_cache_bytes(self, n_tokens: int) -> int:
         """bf16 K and V of a softmax transformer of the same width and depth at n_tokens."""
         return 2 * self.n_layers * self.d_model * BF16_BYTES * n_tokens
+
+    def hybrid_kv_bytes(self, n_tokens: int, dtype_bytes: int = BF16_BYTES) -> int:
+        """The KV cache of this model's own attention layers at n_tokens (0 without any): per
+        token and attention layer its keys H d_k and values H d_v."""
+        per_token = self.n_heads * (self.d_k + self.d_v) * dtype_bytes
+        return (self.n_attention_layers if self.attention_every else 0) * per_token * n_tokens
 
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -163,6 +202,10 @@ def validate(cfg: LaplaceConfig) -> None:
             continue
         if not isinstance(value, expected) or isinstance(value, bool):
             raise ConfigError(f"{f.name} must be {expected.__name__}, got {value!r}")
+        if f.name == "attention_every":  # 0 switches the hybrid off
+            if value < 0:
+                raise ConfigError(f"attention_every must be 0 (no hybrid) or >= 2, got {value}")
+            continue
         if expected in (int, float) and not (value > 0 and math.isfinite(value)):
             raise ConfigError(f"{f.name} must be positive, got {value!r}")
     if cfg.d_model != cfg.n_heads * cfg.d_v:
@@ -181,6 +224,22 @@ def validate(cfg: LaplaceConfig) -> None:
         raise ConfigError(f"compute_dtype must be one of {DTYPES}, got {cfg.compute_dtype!r}")
     if cfg.token_mixer not in TOKEN_MIXERS:
         raise ConfigError(f"token_mixer must be one of {TOKEN_MIXERS}, got {cfg.token_mixer!r}")
+    k = cfg.attention_every
+    if k:
+        if k == 1:
+            raise ConfigError(
+                "attention_every=1 would make every layer attention: that is token_mixer=attention"
+            )
+        if cfg.token_mixer != "gla":
+            raise ConfigError(
+                f"attention_every={k} mixes attention layers among GLA ones: it needs "
+                f"token_mixer=gla, got token_mixer={cfg.token_mixer!r}"
+            )
+        if cfg.n_layers % k:
+            raise ConfigError(
+                f"attention_every={k} must divide n_layers ({cfg.n_layers}): the layers repeat "
+                f"in blocks of {k}"
+            )
 
 
 _FIELD_TYPES = {

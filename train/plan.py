@@ -116,7 +116,7 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
     from laplace_jax import hlo, muon_accounting
     from laplace_jax.accounting import parameter_counts, training_flops_per_token
     from laplace_jax.context_parallel import EXCHANGE
-    from laplace_jax.generate import decode, prefill
+    from laplace_jax.generate import decode, next_token_by_recompute, prefill
     from laplace_jax.model import init_params, init_state
     from laplace_jax.optim import muon_plan
     from laplace_jax.sharding import (
@@ -171,12 +171,25 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
         "eval_step": lambda: parts["eval_step"].lower(
             abs_params, tokens((M, m.seq_len + 1), EVAL_BATCH_AXES)
         ),
-        "generate_prefill": lambda: prefill.lower(m, sample_params, sample_tokens((1, prompt))),
-        "generate_decode": lambda: decode.lower(m, sample_params, sample_tokens((1,)), abs_state),
     }
+    if "attention" in m.layer_mixers:  # no decode step: each token recomputes the sequence
+        n_sample = prompt + t.sample_tokens
+        generate = {
+            "generate_recompute": lambda: next_token_by_recompute.lower(
+                m, sample_params, sample_tokens((1, n_sample)), prompt - 1
+            )
+        }
+    else:
+        generate = {
+            "generate_prefill": lambda: prefill.lower(m, sample_params, sample_tokens((1, prompt))),
+            "generate_decode": lambda: decode.lower(
+                m, sample_params, sample_tokens((1,)), abs_state
+            ),
+        }
+    programs.update(generate)
     # where each program runs: the mesh's devices, but for these
     sample_on = "host" if t.init_on_host else "one device"
-    runs_on = {"generate_prefill": sample_on, "generate_decode": sample_on}
+    runs_on = {name: sample_on for name in generate}
     if t.init_on_host:
         runs_on["init_params"] = "host"
     report = {}

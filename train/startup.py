@@ -145,6 +145,7 @@ def announce(t: Trainer, name: str, train_tokens: int, notes: list[str]) -> None
     t.say(
         f"model {name}: {m.d_model}d x {m.n_layers}L"
         + (", softmax attention (baseline)" if m.token_mixer == "attention" else "")
+        + (f", hybrid: attention every {m.attention_every} layers" if m.attention_every else "")
         + ", "
         f"{parameter_counts(m)['total_params'] / 1e6:.1f}M params; "
         f"mesh {cli.mesh_text(t.mesh)} ({jax.default_backend()}); "

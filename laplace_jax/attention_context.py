@@ -1,0 +1,164 @@
+"""Causal softmax attention across context slices, a block of keys at a time (docs/design.md s13).
+
+A hybrid's attention layers (`attention_every`, laplace_spec/config.py) under context
+parallelism: inside `shard_map`, the devices of the `context` axis hold consecutive slices of
+each sequence (laplace_jax/context_parallel.py). Each device's queries need the keys and values
+of its own and every earlier slice, so, one layer at a time, as Llama 3's context parallelism:
+
+    K, V     = all_gather over the context axis of every slice's k, v   [b, S T_l, H, K|V]
+               (the backward: its transpose, a reduce-scatter of dK, dV back to the slices)
+    o_t      = sum_{s allowed} softmax_s(scale q_t . k_s) v_s
+    allowed  = pos_s <= pos_t (global positions) and doc_s == doc_t (documents start anywhere,
+               their ids the running count of document starts over the whole sequence)
+
+The scores are taken KEY_BLOCK keys at a time with FlashAttention's online softmax (a running
+maximum m, denominator and unnormalised output per query), so no [queries, keys] buffer larger
+than [T_l, KEY_BLOCK] per head is live: at 128k tokens over 16 devices one head's whole scores
+would be 8,192 x 131,072 x 4 B = 4.3 GB. The backward (`jax.custom_vjp`) recomputes each block's
+probabilities from the saved log-sum-exp and takes dQ, dK, dV a block at a time too; autodiff of
+the forward scan would store every block's probabilities, the whole square again.
+
+Both loops are `lax.scan`s with a static trip count (Neuron-clean: no `lax.cond`, no
+data-dependent loop); blocks wholly in a device's future are computed and masked, not skipped,
+so every device runs the same program. `laplace_jax/attention.py`'s `causal_attention` on one
+device is the truth this is tested against (tests/test_hybrid.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+f32 = jnp.float32
+KEY_BLOCK = 512  # keys per block of scores: [T_l, 512] fp32 per head is live at a time
+_NEG = -1e30  # a finite "minus infinity": exp(_NEG - m) is 0, and _NEG - _NEG is not NaN
+_NO_POSITION = jnp.iinfo(jnp.int32).max  # padding keys: after every query, never attended
+
+
+def _key_blocks(k, v, k_pos, k_doc, block: int):
+    """Keys padded to whole blocks and laid out block-major for the scan: k [nb, b, H, blk, K],
+    v [nb, b, H, blk, V], positions [nb, blk], document ids [nb, b, blk]."""
+    b, Tk, H, _ = k.shape
+    nb = -(-Tk // block)
+    pad = nb * block - Tk
+
+    def blocks(x):  # [b, Tk, H, X] -> [nb, b, H, blk, X]
+        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        return x.reshape(b, nb, block, H, x.shape[-1]).transpose(1, 0, 3, 2, 4)
+
+    pos = jnp.pad(k_pos, (0, pad), constant_values=_NO_POSITION).reshape(nb, block)
+    doc = jnp.pad(k_doc, ((0, 0), (0, pad)), constant_values=-1)
+    return blocks(k), blocks(v), pos, doc.reshape(b, nb, block).transpose(1, 0, 2)
+
+
+def _scores(qh, kj, q_pos, q_doc, pj, dj):
+    """One block's scores [b, H, T_q, blk] fp32 and where they are allowed [b, 1, T_q, blk]."""
+    s = jnp.einsum("bhtk,bhsk->bhts", qh, kj.astype(f32))
+    causal = pj[None, :] <= q_pos[:, None]  # [T_q, blk]
+    same_doc = dj[:, None, :] == q_doc[:, :, None]  # [b, T_q, blk]
+    return s, (causal[None] & same_doc)[:, None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def blockwise_attention(q, k, v, q_pos, k_pos, q_doc, k_doc, scale: float, block: int):
+    """Softmax attention of queries over keys, a block of keys at a time, masked by position and
+    document.
+
+    q: [b, T_q, H, K]; k: [b, T_k, H, K]; v: [b, T_k, H, V]; q_pos [T_q], k_pos [T_k] int32
+    global positions; q_doc [b, T_q], k_doc [b, T_k] int32 document ids. Key s is allowed for
+    query t when k_pos[s] <= q_pos[t] and their documents are the same; every query must allow
+    at least one key (its own). Returns o [b, T_q, H, V] fp32."""
+    return _forward(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, block)[0]
+
+
+def _forward(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, block):
+    b, Tq, H, _ = q.shape
+    qh = q.transpose(0, 2, 1, 3).astype(f32) * scale  # [b, H, T_q, K]
+
+    def one_block(carry, key_block):  # the online softmax over one block of keys
+        m, denom, acc = carry  # [b, H, T_q], [b, H, T_q], [b, H, T_q, V]
+        kj, vj, pj, dj = key_block
+        s, allowed = _scores(qh, kj, q_pos, q_doc, pj, dj)
+        m_new = jnp.maximum(m, jnp.where(allowed, s, _NEG).max(-1))
+        p = jnp.where(allowed, jnp.exp(s - m_new[..., None]), 0.0)  # [b, H, T_q, blk]
+        alpha = jnp.exp(m - m_new)  # rescales what the earlier blocks summed
+        denom = alpha * denom + p.sum(-1)
+        acc = alpha[..., None] * acc + jnp.einsum("bhts,bhsv->bhtv", p, vj.astype(f32))
+        return (m_new, denom, acc), None
+
+    V = v.shape[-1]
+    init = (
+        jnp.full((b, H, Tq), _NEG, f32),
+        jnp.zeros((b, H, Tq), f32),
+        jnp.zeros((b, H, Tq, V), f32),
+    )
+    blocks = _key_blocks(k, v, k_pos, k_doc, block)
+    (m, denom, acc), _ = jax.lax.scan(one_block, init, blocks)
+    o = (acc / denom[..., None]).transpose(0, 2, 1, 3)  # [b, T_q, H, V]
+    lse = m + jnp.log(denom)  # [b, H, T_q]: log sum_s exp(s_ts), what the backward recomputes with
+    return o, (q, k, v, q_pos, k_pos, q_doc, k_doc, o, lse)
+
+
+def _backward(scale, block, res, do):  # do: [b, T_q, H, V] fp32
+    q, k, v, q_pos, k_pos, q_doc, k_doc, o, lse = res
+    b, Tq, H, K = q.shape
+    Tk = k.shape[1]
+    qh = q.transpose(0, 2, 1, 3).astype(f32) * scale  # [b, H, T_q, K]
+    doh = do.astype(f32).transpose(0, 2, 1, 3)  # [b, H, T_q, V]
+    delta = jnp.sum(doh * o.transpose(0, 2, 1, 3), -1)  # [b, H, T_q]: sum_v dO o = sum_s P dP
+
+    def one_block(dq, key_block):
+        kj, vj, pj, dj = key_block
+        s, allowed = _scores(qh, kj, q_pos, q_doc, pj, dj)
+        p = jnp.where(allowed, jnp.exp(s - lse[..., None]), 0.0)  # the forward's softmax
+        dv = jnp.einsum("bhts,bhtv->bhsv", p, doh)  # [b, H, blk, V]
+        dp = jnp.einsum("bhtv,bhsv->bhts", doh, vj.astype(f32))
+        ds = p * (dp - delta[..., None])  # the softmax's backward, [b, H, T_q, blk]
+        dq = dq + jnp.einsum("bhts,bhsk->bhtk", ds, kj.astype(f32)) * scale
+        dk = jnp.einsum("bhts,bhtk->bhsk", ds, qh)  # [b, H, blk, K] (qh carries the scale)
+        return dq, (dk, dv)
+
+    blocks = _key_blocks(k, v, k_pos, k_doc, block)
+    dq, (dk, dv) = jax.lax.scan(one_block, jnp.zeros((b, H, Tq, K), f32), blocks)
+
+    def unblock(x):  # [nb, b, H, blk, X] -> [b, T_k, H, X]
+        nb, _, _, blk, X = x.shape
+        return x.transpose(1, 0, 3, 2, 4).reshape(b, nb * blk, H, X)[:, :Tk]
+
+    return (
+        dq.transpose(0, 2, 1, 3).astype(q.dtype),
+        unblock(dk).astype(k.dtype),
+        unblock(dv).astype(v.dtype),
+        None,  # positions and document ids: integers, no cotangent
+        None,
+        None,
+        None,
+    )
+
+
+blockwise_attention.defvjp(
+    lambda q, k, v, qp, kp, qd, kd, scale, block: _forward(q, k, v, qp, kp, qd, kd, scale, block),
+    _backward,
+)
+
+
+def attention_context_parallel(q, k, v, reset, axis: str, scale: float, block: int = KEY_BLOCK):
+    """This slice's causal attention over its own and the earlier slices' keys, inside
+    `shard_map` over `axis`. q, k: [b, T_l, H, K]; v: [b, T_l, H, V]; reset [b, T_l] bool or
+    None (document starts). Returns o [b, T_l, H, V] fp32, as `causal_attention` of the whole
+    sequence gives this slice."""
+    b, Tl = q.shape[:2]
+    n, i = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)  # [b, n T_l, H, K]
+    v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)  # [b, n T_l, H, V]
+    k_pos = jnp.arange(n * Tl, dtype=jnp.int32)  # global positions
+    q_pos = i * Tl + jnp.arange(Tl, dtype=jnp.int32)
+    if reset is None:
+        k_doc = jnp.zeros((b, n * Tl), jnp.int32)
+    else:  # document ids over the whole sequence: the running count of its document starts
+        starts = jax.lax.all_gather(reset.astype(jnp.int32), axis, axis=1, tiled=True)
+        k_doc = jnp.cumsum(starts, 1, dtype=jnp.int32)  # [b, n T_l]
+    q_doc = jax.lax.dynamic_slice_in_dim(k_doc, i * Tl, Tl, axis=1)  # [b, T_l]
+    return blockwise_attention(q, k_all, v_all, q_pos, k_pos, q_doc, k_doc, scale, block)

@@ -1,0 +1,203 @@
+"""The hybrid (`attention_every=k`, docs/design.md s13): an attention layer closing every block of
+k layers, the others Laplace's.
+
+Truths: `causal_attention_reference` (laplace_jax/attention.py: the definition, all scores at
+once) for the blockwise attention a context slice runs; the pure model's and the attention
+baseline's own layers applied in order by hand for the hybrid's forward; `jax.value_and_grad`
+of the plain model on one device (tests/test_context_training.py's helpers) for FSDP's block
+scan, with and without a context axis."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_context_training import GRAD_TOL, context_value_and_grad, max_rel, plain_value_and_grad
+
+from export.exporter import ExportError, convert
+from laplace_jax.accounting import parameter_counts
+from laplace_jax.attention import causal_attention_reference
+from laplace_jax.attention_context import blockwise_attention
+from laplace_jax.model import DecoderLayer, LaplaceLM, init_params, init_state, reset_after_eot
+from laplace_spec.config import ConfigError, get_config
+from train import main as train_main
+
+EOT = 3
+TINY4 = get_config("tiny", ["n_layers=4"])
+HYBRID = TINY4.replace(attention_every=2)  # layers: gla, attention, gla, attention
+
+
+def test_layer_mixers_counts_state_and_kv_bytes():
+    assert HYBRID.layer_mixers == ("gla", "attention", "gla", "attention")
+    assert (HYBRID.block_size, HYBRID.n_gla_layers, HYBRID.n_attention_layers) == (2, 2, 2)
+    assert TINY4.layer_mixers == ("gla",) * 4 and TINY4.block_size == 1
+    # the same parameters as pure Laplace: only step 4 of some layers differs
+    assert parameter_counts(HYBRID) == parameter_counts(TINY4)
+    # Laplace 3B with one attention layer in four: 18 GLA states, 24 conv windows, 6 layers of KV
+    big = get_config("laplace-3b", ["attention_every=4"])
+    state = big.state_bytes_per_sequence()
+    assert state["gla"] == 18 * 16 * 96 * 192 * 4 == 21_233_664
+    assert state["conv"] == 24 * 4 * 3072 * 4
+    assert big.hybrid_kv_bytes(8_192) == 6 * 16 * (96 + 192) * 2 * 8_192 == 452_984_832
+    assert get_config("laplace-3b").hybrid_kv_bytes(8_192) == 0
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["attention_every=1"], "that is token_mixer=attention"),
+        (["attention_every=3"], r"must divide n_layers \(2\)"),
+        (["attention_every=-2"], "must be 0 .* or >= 2"),
+        (["attention_every=2", "token_mixer=attention"], "needs token_mixer=gla"),
+    ],
+)
+def test_bad_attention_every_is_a_config_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        get_config("tiny", overrides)
+
+
+def test_bad_attention_every_exits_2_with_one_line(capsys):
+    assert train_main.main(["--config", "tiny", "attention_every=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: attention_every=3 must divide n_layers (2): the layers repeat in blocks of 3"
+    ]
+
+
+def test_exporting_a_hybrid_is_refused_until_its_serving_side_exists():
+    params = init_params(HYBRID, jax.random.key(0))
+    with pytest.raises(ExportError, match="attention_every=2: a hybrid checkpoint"):
+        convert(HYBRID, params)
+
+
+def test_blockwise_attention_equals_the_definition_with_its_gradients():
+    """A context slice's view: the queries of positions [16, 32) against all 40 keys, in blocks
+    of 12 keys (the last one padded), documents starting at 7, 8 and 30 in sequence 0."""
+    rng = np.random.default_rng(0)
+    B, T, H, K, V, scale = 2, 40, 2, 8, 16, 8**-0.5
+    q, k, v = (jnp.asarray(rng.normal(size=(B, T, H, d)), jnp.float32) for d in (K, K, V))
+    reset = np.zeros((B, T), bool)
+    reset[0, [7, 8, 30]] = True
+    reset = jnp.asarray(reset)
+    pos = jnp.arange(T, dtype=jnp.int32)
+    doc = jnp.cumsum(reset, 1, dtype=jnp.int32)
+    w = jnp.asarray(rng.normal(size=(B, 16, H, V)), jnp.float32)  # a cotangent
+
+    def sliced(q, k, v):
+        o = blockwise_attention(q[:, 16:32], k, v, pos[16:32], pos, doc[:, 16:32], doc, scale, 12)
+        return jnp.sum(o * w), o
+
+    def definition(q, k, v):
+        o = causal_attention_reference(q, k, v, reset, scale)[:, 16:32]
+        return jnp.sum(o * w), o
+
+    (_, o), grads = jax.value_and_grad(sliced, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, o_ref), grads_ref = jax.value_and_grad(definition, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    np.testing.assert_allclose(o, o_ref, atol=1e-6)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        np.testing.assert_allclose(g, g_ref, atol=1e-5)
+    assert float(jnp.abs(grads[1][:, 32:]).max()) == 0.0  # later keys: never attended
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """8 packed sequences [8, 65] with documents across slice edges, a mask, parameters."""
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(EOT + 1, HYBRID.vocab_size, (8, HYBRID.seq_len + 1))
+    tokens[0, [7, 15, 31]] = EOT  # documents start at 8, 16, 32: slice starts for S = 8, 4, 2
+    tokens[1, [40, 41, 42]] = EOT  # one-token documents back to back
+    tokens[2, 20] = EOT  # a document across the slice edges after it
+    mask = rng.random((8, HYBRID.seq_len)) < 0.3
+    params = init_params(HYBRID, jax.random.key(0))
+    return jnp.asarray(tokens, jnp.int32), jnp.asarray(mask), params
+
+
+def test_the_hybrid_is_its_gla_and_attention_layers_in_order(batch):
+    """The hybrid's logits equal pure Laplace's layer and the attention baseline's layer applied
+    by hand in the order gla, attention, gla, attention; and differ from pure Laplace's."""
+    tokens, _, params = batch
+    tokens = tokens[:2, :-1]
+    reset = reset_after_eot(tokens, EOT)
+    logits, _ = LaplaceLM(HYBRID).apply({"params": params}, tokens, reset=reset)
+
+    kinds = {"gla": TINY4, "attention": TINY4.replace(token_mixer="attention")}
+    x = params["embed"]["embedding"][tokens]
+    state = init_state(TINY4, 2)
+    for i, kind in enumerate(["gla", "attention", "gla", "attention"]):
+        layer = DecoderLayer(kinds[kind])
+        x, _ = layer.apply({"params": params[f"layer_{i}"]}, x, state[f"layer_{i}"], reset=reset)
+    by_hand = LaplaceLM(HYBRID).apply({"params": params}, x, method=LaplaceLM.logits)
+    np.testing.assert_allclose(logits, by_hand, rtol=1e-6, atol=1e-6)
+    pure, _ = LaplaceLM(TINY4).apply({"params": params}, tokens, reset=reset)
+    assert float(jnp.abs(pure - logits).max()) > 1e-2
+
+
+@pytest.mark.parametrize(
+    "data,context,masked",
+    [(1, 1, False), (1, 4, True), (2, 2, True)],
+    ids=["fsdp8", "context4-masked", "2x2x2-masked"],
+)
+def test_hybrid_block_scan_and_context_parallel_equal_the_single_device_model(
+    batch, data, context, masked
+):
+    """FSDP's scan over blocks of (gla, attention), each layer its own remat checkpoint, on
+    fsdp=8, context=4 and a 2 x 2 x 2 mesh: the one-device loss (1e-6) and gradients."""
+    tokens, mask, params = batch
+    mask = mask if masked else None
+    ref_loss, ref_grads = plain_value_and_grad(HYBRID, params, tokens, mask)
+    (loss, grads), _ = context_value_and_grad(HYBRID, params, tokens, mask, data, context)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
+    assert max_rel(grads, ref_grads) < GRAD_TOL
+
+
+def test_a_hybrid_train_main_run_resumes_bit_identically(tmp_path):
+    """tiny with attention_every=2 (a GLA layer, then an attention layer) on fsdp=2,context=4:
+    8 steps straight, and 4 steps then a rerun to 8 from the step-4 checkpoint, log the same
+    losses bit for bit."""
+    from train.data import write_shard
+
+    stream = np.random.default_rng(0).integers(0, 256, 40_000)
+    write_shard(tmp_path / "train_000000.bin", stream)
+
+    def run(run_dir, steps):
+        argv = ["--config", "tiny", "--data", str(tmp_path / "train_*.bin"), "--run-dir"]
+        argv += [str(run_dir), "--no-progress", "--steps", str(steps), "--ckpt-every", "4"]
+        argv += [
+            "--mesh",
+            "fsdp=2,context=4",
+            "attention_every=2",
+            "total_steps=8",
+            "warmup_steps=2",
+        ]
+        argv += ["eval_every=0", "--log-every", "1"]
+        assert train_main.main(argv) == 0
+
+    def losses(run_dir):
+        import json
+
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return {m["step"]: m["loss"] for m in map(json.loads, lines) if "loss" in m}
+
+    run(tmp_path / "whole", 8)
+    run(tmp_path / "split", 4)
+    run(tmp_path / "split", 8)
+    whole, split = losses(tmp_path / "whole"), losses(tmp_path / "split")
+    assert sorted(split) == list(range(1, 9)) and split == whole
+
+
+def test_the_hybrid_programs_are_neuron_clean_on_a_context_axis(capsys):
+    """`train.plan` of the tiny hybrid on fsdp=2,context=4: every device program passes the
+    Neuron census (no lax.cond picks a mixer; the key-block loops have static trip counts), the
+    keys and values travel as all-gathers beside the GLA's exchange, and the end-of-run sample
+    is the recompute program (an attention layer has no decode step)."""
+    import json
+
+    from train import plan as train_plan
+
+    argv = ["--config", "tiny", "attention_every=2", "global_batch_tokens=512"]
+    assert train_plan.main([*argv, "--mesh", "fsdp=2,context=4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["headline"]["neuron_census_violations"] == 0
+    assert "generate_recompute" in plan["programs"] and "generate_decode" not in plan["programs"]
+    step = plan["programs"]["train_step"]
+    assert step["census"]["violations"] == 0
+    assert step["collectives"]["context-exchange"] > 0 and step["collectives"]["all-gather"] > 0
