@@ -9,7 +9,10 @@ step one micro-batch. Every program the trainer puts on the devices is compiled 
 inputs (`train.plan.make_plan`); nothing of 3B size is allocated and nothing runs on Trainium.
 Prints each plan's table and writes bench/results/plan.json: the recipe's plan, and a row per long
 sequence (peak memory, collectives by kind against their ideals, census, modelled step time and
-cost per token against the recipe's).
+cost per token against the recipe's). The hybrid (s13, `attention_every=4`: one softmax-attention
+layer in four) is compiled at the recipe's length and layout and at the 32k and 128k rows' (`hybrid`
+in the JSON): its peak memory, census and modelled cost per token against pure Laplace's at the
+same length, sequences, mesh and micro-batches (attention's quadratic FLOPs counted).
 """
 
 from __future__ import annotations
@@ -24,6 +27,37 @@ LONG_CONTEXT = (
     ("128k", 131_072, 16, 524_288),
     ("1m", 1_048_576, 64, 1_048_576),
 )
+
+
+# the hybrid's rows: (row, tokens per sequence, context devices, tokens per step), each compared
+# with pure Laplace's plan of the same shape (the recipe at 2k, the long rows above)
+HYBRID = (("2k", 2_048, 1, 524_288), ("32k", 32_768, 4, 524_288), ("128k", 131_072, 16, 524_288))
+HYBRID_EVERY = 4
+
+
+def cost_per_token(plan: dict) -> float:
+    """The modelled trn2 step time per token of a plan (train.plan's floor, docs/design.md s8)."""
+    return plan["modelled_trn2"]["step_s"] / plan["batch"]["tokens"]
+
+
+def hybrid_row(plan: dict, laplace: dict) -> dict:
+    """A hybrid plan beside pure Laplace's plan of the same length and layout."""
+    step = plan["programs"]["train_step"]
+    return {
+        "seq_len": plan["config"]["model"]["seq_len"],
+        "attention_every": plan["config"]["model"]["attention_every"],
+        "mesh": plan["mesh"],
+        "batch": plan["batch"],
+        "train_step_memory": step["memory"],
+        "laplace_train_step_memory": laplace["programs"]["train_step"]["memory"],
+        "collectives": step["collectives"],
+        "neuron_census_violations": plan["headline"]["neuron_census_violations"],
+        "modelled_trn2": plan["modelled_trn2"],
+        "flops": plan["flops"],
+        "modelled_cost_per_token_s": cost_per_token(plan),
+        "cost_per_token_over_laplace": cost_per_token(plan) / cost_per_token(laplace),
+        "compile_s": {name: p["compile_s"] for name, p in plan["programs"].items()},
+    }
 
 
 def long_context_row(plan: dict, recipe: dict, context: int) -> dict:
@@ -58,6 +92,9 @@ def main(argv=None) -> int:
         default=",".join(name for name, *_ in LONG_CONTEXT),
         help="long-sequence rows to compile beside the recipe (comma-separated; '' for none)",
     )
+    ap.add_argument(
+        "--no-hybrid", dest="hybrid", action="store_false", help="skip the hybrid's rows"
+    )
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="on top of the recipe")
     args = ap.parse_args(argv)
     simulate_devices(args.devices)
@@ -75,7 +112,7 @@ def main(argv=None) -> int:
     print_table(plan)
     headline = plan.pop("headline")
 
-    rows, commands = {}, {}
+    rows, commands, long_plans, long_overrides = {}, {}, {}, {}
     wanted = [r for r in args.rows.split(",") if r]
     for name, seq_len, context, step_tokens in LONG_CONTEXT:
         if name not in wanted:
@@ -99,6 +136,7 @@ def main(argv=None) -> int:
         print(f"\n{name}: {commands[name]}")
         long_plan = make_plan(long_cfg, make_mesh(args.devices, context=context), plan["hbm_gib"])
         print_table(long_plan)
+        long_plans[name], long_overrides[name] = long_plan, overrides
         rows[name] = long_context_row(long_plan, {**plan, "headline": headline}, context)
         rows[name]["command"] = commands[name]
         headline[f"train_step_gib_per_device_{name}"] = round(
@@ -107,7 +145,42 @@ def main(argv=None) -> int:
         headline[f"context_exchange_over_ideal_{name}"] = rows[name]["context_exchange_over_ideal"]
     if "1m" in rows:
         headline["cost_per_token_1m_over_2k"] = round(rows["1m"]["cost_per_token_over_2k"], 4)
-    print(write_result("plan", headline, recipe_overrides=recipe, long_context=rows, **plan))
+
+    hybrid = {}
+    for name, seq_len, context, step_tokens in HYBRID if args.hybrid else ():
+        if seq_len == 2_048:  # the recipe's layout (4 micro-batches of 64)
+            overrides, laplace = [*recipe, f"attention_every={HYBRID_EVERY}"], plan
+            global_batch = {}
+        elif name in long_plans:
+            overrides = [*long_overrides[name], f"attention_every={HYBRID_EVERY}"]
+            laplace, global_batch = long_plans[name], {"global_batch_tokens": step_tokens}
+        else:
+            continue  # its pure-Laplace row was not compiled (--rows)
+        mesh = f"fsdp={args.devices // context}" + (f",context={context}" if context > 1 else "")
+        command = (
+            f"python -m train.plan --config laplace-3b --devices {args.devices} --mesh {mesh} "
+            + (f"--global-batch-tokens {step_tokens} " if global_batch else "")
+            + " ".join(overrides)
+        )
+        print(f"\nhybrid {name}: {command}")
+        hybrid_cfg = train_config.resolve("laplace-3b", overrides, global_batch)
+        hybrid_plan = make_plan(
+            hybrid_cfg, make_mesh(args.devices, context=context), plan["hbm_gib"]
+        )
+        print_table(hybrid_plan)
+        hybrid[name] = {**hybrid_row(hybrid_plan, laplace), "command": command}
+        key = f"hybrid{HYBRID_EVERY}_{name}"
+        headline[f"train_step_gib_per_device_{key}"] = round(
+            hybrid[name]["train_step_memory"]["peak"] / 1024**3, 3
+        )
+        headline[f"cost_per_token_{key}_over_laplace"] = round(
+            hybrid[name]["cost_per_token_over_laplace"], 4
+        )
+    print(
+        write_result(
+            "plan", headline, recipe_overrides=recipe, long_context=rows, hybrid=hybrid, **plan
+        )
+    )
     return 0
 
 

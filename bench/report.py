@@ -309,6 +309,57 @@ def long_context() -> str:
     )
 
 
+def plan_hybrid() -> str:
+    """The 3B hybrid's plans beside pure Laplace's of the same shape (bench.plan)."""
+    d = load("plan")
+    gib = 1024**3
+    rows = []
+    for r in d["hybrid"].values():
+        b = r["batch"]
+        rows.append(
+            [
+                f"{r['seq_len']:,}",
+                ",".join(f"{k}={v}" for k, v in r["mesh"].items()),
+                f"{b['accum_steps']} x {b['micro_batch']}",
+                f"{r['train_step_memory']['peak'] / gib:.2f}",
+                f"{r['laplace_train_step_memory']['peak'] / gib:.2f}",
+                "yes" if r["train_step_memory"]["fits"] else "NO",
+                f"{r['neuron_census_violations']}",
+                f"{r['modelled_trn2']['step_s']:.2f}",
+                ratio(r["cost_per_token_over_laplace"], 3),
+            ]
+        )
+    head = ["tokens per sequence", "mesh", "accum x micro", "hybrid peak GiB", "Laplace peak GiB"]
+    head += ["fits 24 GiB", "census", "modelled step s", "cost per token vs Laplace"]
+    every = next(iter(d["hybrid"].values()))["attention_every"]
+    commands = "\n".join(f"    {r['command']}" for r in d["hybrid"].values())
+    return (
+        f"The hybrid, `attention_every={every}` (one softmax-attention layer in {every}), each row "
+        "compiled by `python -m bench.plan` as\n\n" + commands + "\n\n" + table(head, rows) + "\n\n"
+        "Each row is compared with pure Laplace's plan of the same length, mesh and micro-batches "
+        "(the recipe at 2,048 tokens, the long rows above); the modelled cost counts attention's "
+        "FLOPs over the whole square of each sequence."
+    )
+
+
+def quality() -> str:
+    """bench.quality: the default run of pure Laplace, the hybrid and attention."""
+    d = load("quality")
+    rows = []
+    for name, r in d["runs"].items():
+        rows.append(
+            [f"{name} (`{r['command']}`)", f"{r['first_loss']:.2f} -> {r['last_loss']:.2f}"]
+            + [f"{v['val_loss']:.3f}" for v in r["validation"]]
+        )
+    steps = next(iter(d["runs"].values()))["validation"]
+    head = ["model", "training loss"] + [f"validation loss, step {v['step']}" for v in steps]
+    return (
+        f"`python -m bench.quality` (`bench/results/quality.json`): the default run (the "
+        f"`{d['preset']}` preset on the embedded corpus) three times, only step 4 of the layers "
+        "differing:\n\n" + table(head, rows)
+    )
+
+
 def long_context_passkey() -> str:
     """bench.long_context: passkey of a tiny Laplace trained with sequences over 4 devices."""
     d = load("long_context")
@@ -599,6 +650,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "train": train,
     "plan": plan,
     "long-context": long_context,
+    "plan-hybrid": plan_hybrid,
+    "quality": quality,
     "long-context-passkey": long_context_passkey,
     "serve": serve,
     "serve-profile": serve_profile,

@@ -12,13 +12,13 @@ replicated (norm scales, biases) are not gathered; their gradient is summed over
 
 The decoder layers run as a `lax.scan` over the layer-stacked shards (MaxText's `scan_layers`; a
 loop with a static trip count, which Neuron accepts), so only one layer's gathered weights and
-full gradient are live at a time. A hybrid (`attention_every=k`) scans blocks of k layers, the
-block's k - 1 GLA layers and its attention layer written out in the body (MaxText scans
-Qwen3-Next's blocks this way), each layer its own remat checkpoint. With a `remat` policy each
-layer is a `jax.checkpoint`: the backward keeps each layer's input only, gathers the layer's
-weights again and recomputes it, the FSDP ideal's second gather (docs/design.md s8). The
-parameter tree is unchanged (`layer_{i}/...`): the stacking is of each device's local shards,
-inside the step, and moves no data between devices.
+full gradient are live at a time. A hybrid (`attention_every=k`) scans blocks of k layers
+(MaxText scans Qwen3-Next's blocks this way): in the body an inner scan over the block's k - 1
+GLA layers, then its attention layer, each layer its own remat checkpoint. With a `remat`
+policy each layer is a `jax.checkpoint`: the backward keeps each layer's input only, gathers
+the layer's weights again and recomputes it, the FSDP ideal's second gather (docs/design.md s8).
+The parameter tree is unchanged (`layer_{i}/...`): the stacking is of each device's local
+shards, inside the step, and moves no data between devices.
 
 The math is the model's own: `LaplaceLM` runs the embedding, final norm and head on gathered
 weights, with its decoder layers replaced by the scan of `DecoderLayer` (its `layers` argument),
@@ -148,12 +148,16 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
     }
 
     # built here, outside the model's apply; on a context axis it holds one slice of each
-    # sequence. The layers repeat in blocks of k = cfg.block_size (a hybrid's k - 1 GLA layers and
-    # its attention layer; k = 1 otherwise), so the scan runs over blocks and a block's layers
-    # are written out in it: no conditional picks a layer's mixer.
+    # sequence. A hybrid's layers repeat in blocks of k = cfg.block_size: k - 1 GLA layers, then
+    # an attention layer (k = 1 otherwise: every layer alike). The scan runs over blocks; inside
+    # a block an inner scan runs the k - 1 GLA layers one at a time (so the backward holds one
+    # layer's intermediates, not the block's), then the attention layer: no conditional picks a
+    # layer's mixer.
     k = cfg.block_size
     axis = CONTEXT if context > 1 else None
-    block_layers = [DecoderLayer(cfg, model.unroll, axis, cfg.layer_mixers[j]) for j in range(k)]
+    first, last = DecoderLayer(cfg, model.unroll, axis, cfg.layer_mixers[0]), None
+    if k > 1:
+        last = DecoderLayer(cfg, model.unroll, axis, cfg.layer_mixers[k - 1])
 
     def layer(decoder_layer, x, shards, reset=None):  # x: [b, T, D]; one layer's shards
         weights = {p: gather_weight(shards[p], *layer_args[p]) for p in layer_args}
@@ -167,17 +171,19 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
         x, _ = decoder_layer.apply({"params": layer_params}, x, state, **kw)
         return x
 
-    # per-layer remat: each layer of a block is its own checkpoint
-    layer_fns = [functools.partial(layer, d) for d in block_layers]
-    if REMAT_POLICIES[remat] is not None:
-        layer_fns = [jax.checkpoint(f, policy=REMAT_POLICIES[remat]) for f in layer_fns]
+    def checkpointed(f):  # per-layer remat: each layer its own checkpoint
+        policy = REMAT_POLICIES[remat]
+        return f if policy is None else jax.checkpoint(f, policy=policy)
+
+    first_layer = checkpointed(functools.partial(layer, first))
+    last_layer = None if last is None else checkpointed(functools.partial(layer, last))
 
     def block(x, block_shards, reset):  # one block's shards: [k, ...] per path ([...] if k = 1)
         if k == 1:
-            return layer_fns[0](x, block_shards, reset), None
-        for j, f in enumerate(layer_fns):
-            x = f(x, {p: a[j] for p, a in block_shards.items()}, reset)
-        return x, None
+            return first_layer(x, block_shards, reset), None
+        gla = {p: a[: k - 1] for p, a in block_shards.items()}  # [k - 1, ...]
+        x, _ = jax.lax.scan(lambda x, s: (first_layer(x, s, reset), None), x, gla)
+        return last_layer(x, {p: a[k - 1] for p, a in block_shards.items()}, reset), None
 
     def forward(shards, tokens, outputs):
         # shards: this device's {path: shard}; tokens: its sequences' windows [b, T + 1]

@@ -149,39 +149,69 @@ def test_hybrid_block_scan_and_context_parallel_equal_the_single_device_model(
     assert max_rel(grads, ref_grads) < GRAD_TOL
 
 
-def test_a_hybrid_train_main_run_resumes_bit_identically(tmp_path):
+HYBRID_RUN = ["--config", "tiny", "attention_every=2", "--mesh", "fsdp=2,context=4"]
+
+
+@pytest.fixture(scope="module")
+def hybrid_runs(tmp_path_factory):
     """tiny with attention_every=2 (a GLA layer, then an attention layer) on fsdp=2,context=4:
-    8 steps straight, and 4 steps then a rerun to 8 from the step-4 checkpoint, log the same
-    losses bit for bit."""
+    8 steps straight ("whole"), and 4 steps then a rerun to 8 from the step-4 checkpoint
+    ("split"), checkpoints every 4 steps. Returns (whole, split, the data folder)."""
     from train.data import write_shard
 
-    stream = np.random.default_rng(0).integers(0, 256, 40_000)
-    write_shard(tmp_path / "train_000000.bin", stream)
+    d = tmp_path_factory.mktemp("hybrid_runs")
+    write_shard(d / "train_000000.bin", np.random.default_rng(0).integers(0, 256, 40_000))
 
     def run(run_dir, steps):
-        argv = ["--config", "tiny", "--data", str(tmp_path / "train_*.bin"), "--run-dir"]
-        argv += [str(run_dir), "--no-progress", "--steps", str(steps), "--ckpt-every", "4"]
-        argv += [
-            "--mesh",
-            "fsdp=2,context=4",
-            "attention_every=2",
-            "total_steps=8",
-            "warmup_steps=2",
-        ]
-        argv += ["eval_every=0", "--log-every", "1"]
+        argv = [*HYBRID_RUN, "--data", str(d / "train_*.bin"), "--run-dir", str(run_dir)]
+        argv += ["--no-progress", "--steps", str(steps), "--ckpt-every", "4", "--log-every", "1"]
+        argv += ["total_steps=8", "warmup_steps=2", "eval_every=0"]
         assert train_main.main(argv) == 0
 
-    def losses(run_dir):
-        import json
+    run(d / "whole", 8)
+    run(d / "split", 4)
+    run(d / "split", 8)
+    return d / "whole", d / "split", d
 
+
+def test_a_hybrid_train_main_run_resumes_bit_identically(hybrid_runs):
+    import json
+
+    def losses(run_dir):
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
         return {m["step"]: m["loss"] for m in map(json.loads, lines) if "loss" in m}
 
-    run(tmp_path / "whole", 8)
-    run(tmp_path / "split", 4)
-    run(tmp_path / "split", 8)
-    whole, split = losses(tmp_path / "whole"), losses(tmp_path / "split")
-    assert sorted(split) == list(range(1, 9)) and split == whole
+    whole, split, _ = hybrid_runs
+    assert sorted(losses(split)) == list(range(1, 9)) and losses(split) == losses(whole)
+
+
+def test_train_eval_scores_a_hybrid_checkpoint_over_a_context_axis(hybrid_runs, tmp_path):
+    """`train.eval --task ppl --mesh fsdp=4,context=2` of the hybrid's step-8 checkpoint: the
+    mean loss of the plain model on one device over the same windows."""
+    import json
+
+    import orbax.checkpoint as ocp
+
+    from laplace_jax.loss import next_token_loss
+    from laplace_jax.model import abstract_params
+    from train import eval as train_eval
+    from train.data import TokenWindows, eval_batches
+
+    whole, _, data = hybrid_runs
+    shard = str(data / "train_000000.bin")
+    out = tmp_path / "out"
+    args = ["--mesh", "fsdp=4,context=2", "--checkpoint", str(whole), "--task", "ppl"]
+    args += ["--data", shard, "--batches", "2", "--batch-size", "8", "--out", str(out)]
+    assert train_eval.main(args) == 0
+    (report,) = out.glob("*.json")
+    got = json.loads(report.read_text())["results"]["loss"]
+    cfg = get_config("tiny", ["attention_every=2"])
+    params = ocp.StandardCheckpointer().restore(
+        whole / "checkpoints" / "8" / "params", abstract_params(cfg)
+    )
+    loss = jax.jit(lambda p, t: next_token_loss(LaplaceLM(cfg), p, t))
+    want = np.mean([float(loss(params, b)) for b in eval_batches(TokenWindows([shard], 64), 8, 2)])
+    assert got == pytest.approx(want, rel=1e-5)
 
 
 def test_the_hybrid_programs_are_neuron_clean_on_a_context_axis(capsys):
