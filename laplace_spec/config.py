@@ -109,6 +109,12 @@ class LaplaceConfig:
         return self.layer_mixers.count("attention")
 
     @property
+    def n_kv_layers(self) -> int:
+        """The layers that keep a KV cache instead of a GLA state: a hybrid's attention layers
+        (0 for the attention baseline, which is not served and is counted as if it kept one)."""
+        return self.n_attention_layers if self.attention_every else 0
+
+    @property
     def n_chunks(self) -> int:
         return self.seq_len // self.chunk_size
 
@@ -143,8 +149,7 @@ class LaplaceConfig:
         a decoder keeping only the `conv_width - 1` past inputs would need 29,196,288.
         """
         W = self.conv_width if conv_window is None else conv_window
-        gla_layers = self.n_layers - (self.n_attention_layers if self.attention_every else 0)
-        gla = gla_layers * math.prod(self.gla_state_shape) * FP32_BYTES
+        gla = (self.n_layers - self.n_kv_layers) * math.prod(self.gla_state_shape) * FP32_BYTES
         conv = self.n_layers * W * self.d_model * FP32_BYTES
         return {"gla": gla, "conv": conv, "total": gla + conv}
 
@@ -156,7 +161,7 @@ class LaplaceConfig:
         """The KV cache of this model's own attention layers at n_tokens (0 without any): per
         token and attention layer its keys H d_k and values H d_v."""
         per_token = self.n_heads * (self.d_k + self.d_v) * dtype_bytes
-        return (self.n_attention_layers if self.attention_every else 0) * per_token * n_tokens
+        return self.n_kv_layers * per_token * n_tokens
 
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

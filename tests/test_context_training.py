@@ -74,6 +74,18 @@ def max_rel(a, b):
     return max(jax.tree.leaves(rel))
 
 
+def assert_equals_the_single_device_model(cfg, batch, data, context, masked):
+    """The sharded loss (1e-6) and gradients (GRAD_TOL) of `cfg` on a data x fsdp x context mesh
+    against the plain model's on one device; returns (gradients, mesh)."""
+    tokens, mask, params = batch
+    mask = mask if masked else None
+    ref_loss, ref_grads = plain_value_and_grad(cfg, params, tokens, mask)
+    (loss, grads), mesh = context_value_and_grad(cfg, params, tokens, mask, data, context)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
+    assert max_rel(grads, ref_grads) < GRAD_TOL
+    return grads, mesh
+
+
 @pytest.mark.parametrize(
     "data,context,masked",
     [(1, 2, False), (1, 4, True), (1, 8, False), (2, 2, True)],
@@ -82,12 +94,7 @@ def max_rel(a, b):
 def test_context_parallel_loss_and_gradients_equal_the_single_device_model(
     batch, data, context, masked
 ):
-    tokens, mask, params = batch
-    mask = mask if masked else None
-    ref_loss, ref_grads = plain_value_and_grad(TINY, params, tokens, mask)
-    (loss, grads), mesh = context_value_and_grad(TINY, params, tokens, mask, data, context)
-    assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
-    assert max_rel(grads, ref_grads) < GRAD_TOL
+    grads, mesh = assert_equals_the_single_device_model(TINY, batch, data, context, masked)
     # the gradients come back sharded like the parameters, over fsdp x context
     shardings = param_shardings(TINY, mesh)
     for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(shardings), strict=True):

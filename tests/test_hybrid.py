@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_context_training import GRAD_TOL, context_value_and_grad, max_rel, plain_value_and_grad
+from test_context_training import assert_equals_the_single_device_model
 
 from export.exporter import ExportError, convert
 from laplace_jax.accounting import parameter_counts
@@ -141,12 +141,7 @@ def test_hybrid_block_scan_and_context_parallel_equal_the_single_device_model(
 ):
     """FSDP's scan over blocks of (gla, attention), each layer its own remat checkpoint, on
     fsdp=8, context=4 and a 2 x 2 x 2 mesh: the one-device loss (1e-6) and gradients."""
-    tokens, mask, params = batch
-    mask = mask if masked else None
-    ref_loss, ref_grads = plain_value_and_grad(HYBRID, params, tokens, mask)
-    (loss, grads), _ = context_value_and_grad(HYBRID, params, tokens, mask, data, context)
-    assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
-    assert max_rel(grads, ref_grads) < GRAD_TOL
+    assert_equals_the_single_device_model(HYBRID, batch, data, context, masked)
 
 
 HYBRID_RUN = ["--config", "tiny", "attention_every=2", "--mesh", "fsdp=2,context=4"]
