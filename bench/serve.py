@@ -46,7 +46,7 @@ This file is the run, in order; the parts are `bench/serving/`:
     measure.py     the measurements: alternating rounds over several engines, or one engine
     phases.py      the side-by-side engines, prefix caching, the shared budget, the mid-size row
     headlines.py   the paired ratios, the headlines and the run's notes
-    profile.py     `--profile`: decode step time against the layer count, the GEMMs' share
+    profile.py     `--profile`: decode step time against the layer count, a layer's GEMMs alone
     plot.py        the PNG beside the result
 The result is written by `bench.common.write_result` (the machine and library versions with it).
 
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
         phase(results, "mid", run_mid, cfg, sz, tmp, results)
 
     kv_tok = llama_kv_bytes_per_token(cfg)
-    computed = cfg.state_bytes_per_sequence()["total"]
+    computed = cfg.page_bytes_per_sequence()
     results["memory_per_seq"] = [
         {"context": n, "laplace_state_bytes": computed, "llama_kv_bytes_fp32": kv_tok * n}
         for n in (512, 2048, 8192, 32768)
@@ -193,16 +193,19 @@ def profile_main(args, sz) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench_serve_profile_"))
     result = run_profile(get_config(PRESET), sz, tmp)
     shutil.rmtree(tmp, ignore_errors=True)
-    headline = {
-        f"{name}_s{n}_{field}": result[name][f"s{n}"][key] * scale
-        for name in ("laplace_eager", "laplace_compiled", "llama_eager", "llama_compiled")
-        for n in sz.profile_seqs
-        for field, key, scale in (
-            ("intercept_ms", "intercept_s", 1e3),
-            ("per_layer_ms", "per_layer_s", 1e3),
-            ("gemm_share_of_layer", "gemm_share_of_layer", 1.0),
-        )
-    }
+    headline = {}
+    for mode in ("eager", "compiled"):
+        for n in sz.profile_seqs:
+            row = result[mode][f"s{n}"]
+            headline[f"laplace_over_llama_per_layer_s{n}_{mode}"] = row[
+                "laplace_over_llama_per_layer"
+            ]["median"]
+            headline[f"laplace_layer_over_gemm_s{n}_{mode}"] = row["laplace_layer_over_gemm"][
+                "median"
+            ]
+            for who in ("laplace", "llama"):
+                headline[f"{who}_{mode}_s{n}_per_layer_ms"] = 1e3 * row[who]["per_layer_s"]
+                headline[f"{who}_{mode}_s{n}_intercept_ms"] = 1e3 * row[who]["intercept_s"]
     result["seconds"] = time.perf_counter() - t_start
     out = args.out or RESULTS / "serve_profile.json"
     path = write_result("serve_profile", headline, path=out, preset=PRESET, **result)

@@ -17,7 +17,6 @@ def main(argv=None):
 
     counts = parameter_counts(cfg)
     state = cfg.state_bytes_per_sequence()
-    state_short = cfg.state_bytes_per_sequence(conv_window=cfg.conv_width - 1)
     print(f"config {args.config}")
     print(f"  Muon matrices        {counts['muon_matrices']:>16,}")
     print(f"  Muon parameters      {counts['muon_params']:>16,}")
@@ -26,8 +25,11 @@ def main(argv=None):
     print("recurrent state per sequence (fp32)")
     print(f"  GLA matrices         {state['gla']:>16,} bytes")
     print(f"  conv window ({cfg.conv_width}-wide) {state['conv']:>16,} bytes")
-    print(f"  total                {state['total']:>16,} bytes  (used by this model)")
-    print(f"  total, {cfg.conv_width - 1}-wide window {state_short['total']:>16,} bytes")
+    print(f"  total                {state['total']:>16,} bytes  (training, PyTorch)")
+    print(
+        f"  total, {cfg.page_conv_window}-wide window {cfg.page_bytes_per_sequence():>16,} bytes"
+        "  (vLLM's state pages)"
+    )
     if cfg.attention_every:
         print(
             f"hybrid: attention every {cfg.attention_every} layers: {cfg.n_gla_layers} GLA layers "

@@ -153,6 +153,17 @@ class LaplaceConfig:
         conv = self.n_layers * W * self.d_model * FP32_BYTES
         return {"gla": gla, "conv": conv, "total": gla + conv}
 
+    @property
+    def page_conv_window(self) -> int:
+        """The past conv inputs a served sequence keeps per layer: W - 1 (vLLM's state pages,
+        laid out as its Mamba2's: the output at t reads inputs t - W + 1 .. t, and t is new)."""
+        return self.conv_width - 1
+
+    def page_bytes_per_sequence(self) -> int:
+        """One served sequence's state pages, all layers (vLLM): the fp32 state with the W - 1
+        window, 29,196,288 for 3B."""
+        return self.state_bytes_per_sequence(conv_window=self.page_conv_window)["total"]
+
     def kv_cache_bytes(self, n_tokens: int) -> int:
         """bf16 K and V of a softmax transformer of the same width and depth at n_tokens."""
         return 2 * self.n_layers * self.d_model * BF16_BYTES * n_tokens

@@ -93,7 +93,7 @@ def default_max_num_seqs(model, budget_bytes: int | None = None) -> int:
 
         max_num_seqs = min(floor(budget / S) - 1, 2048)
 
-    S: one sequence's state, all layers, fp32 (laplace_spec's `state_bytes_per_sequence`; vLLM
+    S: one sequence's state pages, all layers, fp32 (laplace_spec's `page_bytes_per_sequence`; vLLM
     gives each running sequence one page of S bytes, and keeps one page back as its null block).
     The cap bounds vLLM's per-request host buffers (max_model_len tokens each) and keeps
     max_num_seqs within vLLM's default max_num_batched_tokens on CPU (2048 for the server).
@@ -101,7 +101,7 @@ def default_max_num_seqs(model, budget_bytes: int | None = None) -> int:
     from serve.configuration_laplace import LaplaceHFConfig
 
     spec = LaplaceHFConfig.from_dict(_config(model)).laplace_config
-    per_seq = spec.state_bytes_per_sequence()["total"]
+    per_seq = spec.page_bytes_per_sequence()
     budget = state_budget_bytes() if budget_bytes is None else budget_bytes
     return max(1, min(budget // per_seq - 1, MAX_DEFAULT_SEQS))
 

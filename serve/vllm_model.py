@@ -7,45 +7,44 @@ vLLM's cache settings (`MambaStateDtypeCalculator`), weights loaded through each
 `weight_loader`. Served at tensor-parallel size 1 (one engine holds every head; replicas are
 vLLM's data parallel, `serve/replicas.py`).
 
-Each layer's token mixer is a state-holding layer of vLLM's mamba / linear-attention family
-(`MambaBase`, backend `LINEAR`): vLLM gives every running sequence one fixed-size state page,
-which holds this layer's GLA matrices [H, dk, dv] and conv window [W, D]. Their dtypes are
-`state_dtypes`: fp32 by default (the state is accumulated in fp32 whatever the weights' dtype),
-`--mamba-ssm-cache-dtype` for the GLA matrices and `--mamba-cache-dtype` for the conv window
-(and for the GLA matrices when the former is `auto`).
+Each layer's token mixer is a state-holding layer of vLLM's Mamba2 family (`MambaBase`, backend
+`MAMBA2`): vLLM gives every running sequence one fixed-size state page per layer, laid out as
+its Mamba2's (`page_shapes`): the conv window of the last W - 1 inputs [W - 1, D] and the GLA
+matrices [H, dv, dk]. Their dtypes are `state_dtypes`: fp32 by default (the state is accumulated
+in fp32 whatever the weights' dtype), `--mamba-ssm-cache-dtype` for the GLA matrices and
+`--mamba-cache-dtype` for the conv window (and for the GLA matrices when the former is `auto`).
 
+Laplace's GLA is Mamba2's SSD with dt = 1, A = log lambda per head, B = k, x = v, C = scale q,
+one group per head, no D and no z (docs/design.md s12.3), so the layer runs vLLM's own Mamba2
+kernels on those pages, in place, on CPU and CUDA alike (vLLM's platform picks the C++ or
+Triton form, as for its Mamba2):
+
+    tokens of a step:  [decode tokens (one per sequence) | prefill tokens, sequence after sequence]
+    conv:     decodes `causal_conv1d_update`; prefills `causal_conv1d_fn` (varlen)
+    GLA:      decodes `selective_state_update`; prefills `mamba_chunk_scan_combined_varlen`
+              (varlen; a sequence with a past, a continued chunked prefill or a prefix-cache
+              hit, starts from its page: `has_initial_states_p`)
+
+The step's metadata is vLLM's `Mamba2AttentionMetadata`, built once a step for every layer; a
+sequence's first chunk is always a prefill there (its page may hold an old sequence's state).
 The mixer is split as vLLM's Qwen3-Next layer is: what reads and writes the state pages is one
 custom op per layer (`vllm::laplace_mixer_state`: the conv, the fused projection between, the
 GLA), which a compiled graph calls as an opaque op; everything after it (self-augmentation, head
 norm, gate, output projection) is plain torch that vLLM's compile mode fuses with the norms and
-the MLP. The op reads and writes the pages through the forward context's
-`LinearAttentionMetadata` (its view of the step, `_Step`, is made once per step):
+the MLP.
 
-    tokens of a step:  [decode tokens (one per sequence) | prefill tokens, sequence after sequence]
-    pages:    one gather of every sequence's page (zeros when the sequence starts in this
-              step; its saved state for a decode, a continued chunked prefill or, with prefix
-              caching, a start after a cached prefix: seq_len > query_len), in fp32
-    conv:     decodes batched; prefills all at once, each from its window (`causal_conv_varlen`)
-    GLA:      decodes: one batched O(1) step; prefills: one variable-length chunked pass
-              (`gla_chunked_varlen`, boundaries `query_start_loc`, no loop over sequences)
-    pages:    one scatter of every final state (in the pages' dtype)
-
-A sequence's first step can be a "decode" (a 1-token prompt): its page still holds an old
-sequence's state, so rows with seq_len == 1 start from zeros.
-
-With prefix caching (vLLM's `align` mode) `state_indices_tensor` names the page of the block that
+With prefix caching (vLLM's `align` mode) the state indices name the page of the block that
 holds each sequence's last token; vLLM copies states between pages itself (before the step, with
 the copy functions of `LaplaceVLLMForCausalLM.get_mamba_state_copy_func`), so the layer is the same.
 
-The math is `serve/modeling_laplace.py`'s (the mixer's and MLP's methods, the kernels of
-`serve/kernels.py`); sizes and state shapes come from `laplace_spec.config`
+The reference is `serve/modeling_laplace.py` (the mixer's and MLP's methods, the PyTorch kernels
+of `serve/kernels.py`); sizes and state shapes come from `laplace_spec.config`
 (`hf_config.laplace_config`); parameter names are the exported names of `laplace_spec/names.py`,
 checked at construction, and `load_weights` accounts for every tensor.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -53,6 +52,7 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     ReplicatedLinear,
@@ -63,9 +63,17 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateCopyFunc,
     MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
     get_conv_copy_spec,
     get_temporal_copy_spec,
+    is_conv_state_dim_first,
 )
+from vllm.model_executor.layers.mamba.ops.causal_conv1d import (
+    causal_conv1d_fn,
+    causal_conv1d_update,
+)
+from vllm.model_executor.layers.mamba.ops.mamba_ssm import selective_state_update
+from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -78,25 +86,28 @@ from vllm.model_executor.models.interfaces import (
 )
 from vllm.model_executor.models.utils import maybe_prefix
 from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionMetadata
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from laplace_spec import names
 from laplace_spec.config import LaplaceConfig
-from serve.kernels import (
-    causal_conv,
-    causal_conv_step,
-    causal_conv_varlen,
-    gla_chunked,
-    gla_chunked_varlen,
-    gla_step,
-)
-from serve.modeling_laplace import LaplaceLayerNorm, LaplaceMixer, LaplaceMLP
+from serve.kernels import causal_conv, gla_chunked
+from serve.modeling_laplace import LaplaceLayerNorm, LaplaceMixer
 
 f32 = torch.float32
 
 
+def page_shapes(config: LaplaceConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """One sequence's state pages of one layer, as vLLM's Mamba2 lays out its own: the conv
+    window of the last W - 1 inputs, [W - 1, D] (vLLM's default "SD" layout; [D, W - 1] under
+    VLLM_SSM_CONV_STATE_LAYOUT=DS), and the GLA matrices transposed, [H, dv, dk] (Mamba2's
+    [heads, head_dim, d_state])."""
+    conv = MambaStateShapeCalculator._orient_conv_shape(config.d_model, config.page_conv_window)
+    return conv, (config.n_heads, config.d_v, config.d_k)
+
+
 def state_dtypes(vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]:
-    """The state pages' dtypes in `get_state_shape()` order: (GLA matrices, conv window).
+    """The state pages' dtypes in `get_state_shape()` order: (conv window, GLA matrices).
 
     vLLM's cache settings through its own `MambaStateDtypeCalculator` (the GLA matrices are the
     temporal/SSM state): `mamba_ssm_cache_dtype` for the GLA matrices, `mamba_cache_dtype` for the
@@ -104,10 +115,9 @@ def state_dtypes(vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]:
     state is accumulated in, not the weights' dtype (vLLM's Mamba layers take the model's).
     """
     cache = vllm_config.cache_config
-    conv, gla = MambaStateDtypeCalculator.mamba2_state_dtype(
+    return MambaStateDtypeCalculator.mamba2_state_dtype(
         f32, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype
     )
-    return gla, conv
 
 
 def _linear(cls, in_features: int, out_features, prefix: str):
@@ -119,11 +129,12 @@ def _linear(cls, in_features: int, out_features, prefix: str):
 
 
 class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
-    """The token mixer as a vLLM state layer; `self.kv_cache` = (gla pages, conv pages).
+    """The token mixer as a vLLM Mamba2 state layer; `self.kv_cache` = (conv pages, GLA pages).
 
-    LaplaceMixer's math (`project`, `output`, `log_decay_f32`) and its `__init__`, with vLLM's
-    `ReplicatedLinear` for the two projections; the profiling run (no pages) runs the
-    single-sequence kernels from zero states."""
+    LaplaceMixer's math (`split`, `output`) and its `__init__`, with vLLM's `ReplicatedLinear`
+    for the two projections; the conv and the GLA are vLLM's Mamba2 kernels on the pages
+    (docs/design.md s12.3). The profiling run (no pages) runs the PyTorch kernels from zero states
+    on one sequence."""
 
     def __init__(self, config: LaplaceConfig, prefix: str):
         def linear(name, n_in, n_out):
@@ -141,14 +152,15 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
             raise ValueError(f"duplicate layer name: {prefix}")
         ctx[prefix] = self  # vLLM finds state layers here and binds their pages
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
+        self._decay: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    # -- the state page, declared (MambaBase) --
+    # -- the state pages, declared (MambaBase) as vLLM's Mamba2 declares its own --
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
-        return MambaAttentionBackendEnum.LINEAR
+        return MambaAttentionBackendEnum.MAMBA2
 
-    def get_state_shape(self):  # one sequence's page: GLA [H, dk, dv], conv window [W, D]
-        return self.config.gla_state_shape, self.config.conv_state_shape
+    def get_state_shape(self):
+        return page_shapes(self.config)
 
     def get_state_dtype(self):
         return self.state_dtype
@@ -162,55 +174,96 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
         q, k, v, g = self.split(qkvg)  # [N, H, dk], [N, H, dk], [N, H, dv], [N, H dv]
         return self.output(o, q, k, v, g)
 
+    def decay(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mamba2's A for the chunk scan [H] and for the one-token update [H, dv, dk] (a
+        stride-0 view): log lambda per head, fp32, made once."""
+        if self._decay is None or self._decay[0].device != device:
+            A = self.log_decay_f32(device)  # [H]
+            self._decay = A, A[:, None, None].expand(-1, self.d_v, self.d_k)
+        return self._decay
+
     def state_tokens(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's tokens h [N, D] (rows beyond the step's n tokens: padding) -> the fused
-        projection of their conv outputs [N, qkvg_dim] and their GLA outputs [N, H, dv] fp32
-        (zeros on padding rows), each sequence continuing its pages, which are written back."""
-        step = self._step()
-        if step is None:  # profiling run: no pages; same work, zero state, one sequence
+        projection of their conv outputs [N, qkvg_dim] and their GLA outputs [N, H, dv] in h's
+        dtype (zeros on padding rows), each sequence continuing its pages, which the kernels
+        update in place (the chunk scan's final states are written back by one scatter).
+
+        Mamba2's kernels with dt = 1, A = log lambda, B = k, x = v, C = scale q (docs/design.md
+        s12.3): decodes through `causal_conv1d_update` and `selective_state_update`, prefills
+        (fresh, continued chunked prefills, prefix-cache hits) through `causal_conv1d_fn` and
+        `mamba_chunk_scan_combined_varlen`, each sequence from its pages when
+        `has_initial_states_p` says it has a past."""
+        meta = self._metadata()
+        if meta is None:  # profiling run: no pages; same work, zero state, one sequence
             return self._profiling_tokens(h)
-        N, n, td, nd, ns = h.shape[0], step.n, step.td, step.nd, step.ns
-        gla_pages, conv_pages = self.kv_cache
-        w, b = self.conv_weight, self.conv_bias
-        # conv, from each sequence's window page: decodes batched, prefills all at once
-        conv0 = self._read(conv_pages, step)  # [ns, W, D]
-        if ns == nd:  # a decode-only step (the common case): no concatenations
-            u, conv1 = causal_conv_step(h[:n], conv0, w, b)  # [n, D], [n, W, D]
-        else:
-            u_d, conv_d = causal_conv_step(h[:td], conv0[:nd], w, b)  # [nd, D], [nd, W, D]
-            u_p, conv_p = causal_conv_varlen(h[td:n], conv0[nd:], step.cu[nd:] - td, w, b)
-            u, conv1 = torch.cat([u_d, u_p]), torch.cat([conv_d, conv_p])
-        conv_pages.index_copy_(0, step.slots, conv1.to(conv_pages.dtype))  # one scatter
-        if N > n:  # padding rows: zero inputs to the projection
-            u = torch.cat([u, u.new_zeros(N - n, u.shape[1])])
+        N, H, dv = h.shape[0], self.n_heads, self.d_v
+        td, n = meta.num_decode_tokens, meta.num_decode_tokens + meta.num_prefill_tokens
+        conv_pages, gla_pages = self.kv_cache
+        conv_state = conv_pages if is_conv_state_dim_first() else conv_pages.transpose(-1, -2)
+        w, b = self.conv_weight, self.conv_bias  # [D, W] (the exported layout is Mamba2's)
+        u = torch.empty_like(h)  # [N, D] conv outputs
+        if meta.num_decodes:
+            u[:td] = causal_conv1d_update(
+                h[:td], conv_state, w, b, "silu", conv_state_indices=meta.state_indices_tensor_d
+            )
+        if meta.num_prefills:
+            u[td:n] = causal_conv1d_fn(
+                h[td:n].transpose(0, 1),  # [D, T_p]: the layout the conv kernels take
+                w,
+                b,
+                conv_states=conv_state,
+                query_start_loc=meta.query_start_loc_p,
+                cache_indices=meta.state_indices_tensor_p,
+                has_initial_state=meta.has_initial_states_p,
+                activation="silu",
+                metadata=meta,
+            ).transpose(0, 1)
+        u[n:] = 0.0  # padding rows: zero inputs to the projection
         qkvg = self.qkvg_proj(u)  # [N, qkvg_dim]
         q, k, v, _ = self.split(qkvg[:n])
-        # GLA, from each sequence's state page: decodes one O(1) step, prefills one
-        # variable-length chunked pass (boundaries `query_start_loc`)
-        log_decay = self.log_decay_f32(h.device)
-        gla0 = self._read(gla_pages, step)  # [ns, H, dk, dv]
-        if ns == nd:
-            o, gla1 = gla_step(q, k, v, log_decay, gla0, self.scale)  # [n, H, dv], [n, H, dk, dv]
-        else:
-            o_d, gla_d = gla_step(q[:td], k[:td], v[:td], log_decay, gla0[:nd], self.scale)
-            o_p, gla_p = gla_chunked_varlen(
-                q[td:],
-                k[td:],
+        # the GLA in fp32 whatever the activations' dtype (no-op casts in fp32)
+        k, v, c = k.to(f32), v.to(f32), q.to(f32) * self.scale  # c [n, H, dk]: Mamba2's C
+        A, A_step = self.decay(h.device)
+        o = h.new_zeros(N, H, dv, dtype=f32)  # [N, H, dv], written in place by the kernels
+        if meta.num_decodes:
+            dt = _ones(meta, "decode", (td, H, dv), o)
+            selective_state_update(
+                gla_pages,
+                v[:td],
+                dt,
+                A_step,
+                k[:td],
+                c[:td],
+                state_batch_indices=meta.state_indices_tensor_d,
+                dst_state_batch_indices=meta.state_indices_tensor_d,
+                out=o[:td],
+            )
+        if meta.num_prefills:
+            idx = meta.state_indices_tensor_p
+            initial = None
+            if meta.prep_initial_states:  # some sequence continues its page
+                has = meta.has_initial_states_p[:, None, None, None]
+                initial = torch.where(has, gla_pages[idx], 0.0)  # [P, H, dv, dk]
+            gla_pages[idx] = mamba_chunk_scan_combined_varlen(
                 v[td:],
-                log_decay,
-                gla0[nd:],
-                step.cu[nd:] - td,
-                self.scale,
-                self.chunk_size,
-            )  # [n - td, H, dv], [ns - nd, H, dk, dv]
-            o, gla1 = torch.cat([o_d, o_p]), torch.cat([gla_d, gla_p])
-        gla_pages.index_copy_(0, step.slots, gla1.to(gla_pages.dtype))  # one scatter
-        if N > n:
-            o = torch.cat([o, o.new_zeros(N - n, *o.shape[1:])])
+                _ones(meta, "prefill", (n - td, H), o),
+                A,
+                k[td:],
+                c[td:],
+                chunk_size=meta.chunk_size,
+                cu_seqlens=meta.query_start_loc_p,
+                cu_chunk_seqlens=meta.cu_chunk_seqlen_p,
+                last_chunk_indices=meta.last_chunk_indices_p,
+                seq_idx=meta.seq_idx_p,
+                out=o[td:n],
+                initial_states=initial,
+                state_dtype=gla_pages.dtype,
+            )  # [P, H, dv, dk] final states
         return qkvg, o
 
     def _profiling_tokens(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`state_tokens` without pages (vLLM's profiling run): one sequence from zero states."""
+        """`state_tokens` without pages (vLLM's profiling run): one sequence from zero states,
+        through the PyTorch kernels."""
         zero_conv = h.new_zeros(1, *self.config.conv_state_shape, dtype=f32)
         u = causal_conv(h[None], zero_conv, self.conv_weight, self.conv_bias)[0][0]
         qkvg = self.qkvg_proj(u)
@@ -222,65 +275,23 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
         )
         return qkvg, o[0]
 
-    def _step(self) -> _Step | None:
-        """This layer's view of the step's `LinearAttentionMetadata` (None: the profiling run).
-        Every state layer of the model shares one metadata object per step, so the view is
-        made once a step (by the first layer) and kept on that object."""
+    def _metadata(self) -> Mamba2AttentionMetadata | None:
+        """This layer's `Mamba2AttentionMetadata` of the step (None: the profiling run), built
+        by vLLM once a step for every state layer."""
         meta = get_forward_context().attn_metadata
         if isinstance(meta, dict):
             meta = meta.get(self.prefix)
-        if meta is None:
-            return None
-        step = meta.__dict__.get("_laplace_step")
-        if step is None:
-            step = meta.__dict__["_laplace_step"] = _Step.of(meta)
-        return step
-
-    def _read(self, pages: torch.Tensor, step: _Step) -> torch.Tensor:
-        """One gather of every page of the step (a copy, fp32; a no-op cast for fp32 pages),
-        zeros for the sequences that start in it."""
-        x = pages.index_select(0, step.slots).to(f32)  # [ns, ...]
-        if step.fresh is not None:
-            x[step.fresh] = 0.0
-        return x
+        return meta
 
 
-@dataclasses.dataclass(frozen=True)
-class _Step:
-    """One step's tokens as a state layer sees them: `nd` decodes then `ns - nd` prefills;
-    tokens [0, td) are the decodes', [td, n) the prefills' (boundaries `cu`, [ns + 1]); `slots`
-    [ns] each sequence's page; `fresh` [ns] the sequences that start here (None: none does)."""
-
-    nd: int
-    ns: int
-    td: int
-    n: int
-    slots: torch.Tensor
-    cu: torch.Tensor
-    fresh: torch.Tensor | None
-
-    @staticmethod
-    def of(meta) -> _Step:
-        nd, ns = meta.num_decodes, meta.num_decodes + meta.num_prefills
-        cu = meta.query_start_loc[: ns + 1].long()  # [ns + 1] token boundaries
-        # a sequence that starts in this step (seq_len == query_len) finds an old sequence's
-        # state in its page: it starts from zeros. Otherwise (a decode, a continued chunked
-        # prefill, a prefix-cache hit) its page holds its state so far.
-        fresh = meta.seq_lens[:ns].to(cu.device) == cu[1:] - cu[:-1]  # [ns]
-        return _Step(
-            nd=nd,
-            ns=ns,
-            td=meta.num_decode_tokens,  # one per decode row
-            n=meta.num_decode_tokens + meta.num_prefill_tokens,  # beyond n: padding, left at 0
-            slots=meta.state_indices_tensor[:ns].long(),  # [ns] each sequence's page
-            cu=cu,
-            fresh=fresh if bool(fresh.any()) else None,  # a host check (CPU tensors)
-        )
-
-
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat without a copy for one part (a decode-only or prefill-only step)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+def _ones(meta, part: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """Mamba2's dt = 1 for the step's decode or prefill tokens, made once a step (by the first
+    layer) and kept on the step's metadata, which every state layer shares."""
+    key = f"_laplace_dt_{part}"
+    ones = meta.__dict__.get(key)
+    if ones is None:
+        ones = meta.__dict__[key] = like.new_ones(shape)
+    return ones
 
 
 # The state step as a custom op (vLLM's own state layers are registered the same way): a
@@ -303,15 +314,20 @@ direct_register_custom_op(
 )
 
 
-class LaplaceVLLMMLP(LaplaceMLP):
-    """LaplaceMLP's forward on vLLM's MLP layers (as vLLM's LlamaMLP): the fused [W_1; W_2] as
-    one `MergedColumnParallelLinear` (the exported tensor is fused), W_3 a `RowParallelLinear`."""
+class LaplaceVLLMMLP(nn.Module):
+    """LaplaceMLP's math on vLLM's MLP layers (as vLLM's LlamaMLP): the fused [W_1; W_2] as one
+    `MergedColumnParallelLinear` (the exported tensor is fused), vLLM's `SiluAndMul` (its C++
+    op in eager mode: SiLU(first half) * second half), W_3 a `RowParallelLinear`."""
 
     def __init__(self, config: LaplaceConfig, prefix: str):
-        nn.Module.__init__(self)
+        super().__init__()
         D, F = config.d_model, config.ffn_dim
         self.w12 = _linear(MergedColumnParallelLinear, D, [F, F], f"{prefix}.w12")
+        self.act = SiluAndMul()
         self.w3 = _linear(RowParallelLinear, F, D, f"{prefix}.w3")
+
+    def forward(self, x):  # [N, D] -> [N, D]
+        return self.w3(self.act(self.w12(x)))
 
 
 class LaplaceVLLMDecoderLayer(nn.Module):
@@ -366,8 +382,7 @@ class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree, Supports
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
-        config = vllm_config.model_config.hf_config.laplace_config
-        return config.gla_state_shape, config.conv_state_shape
+        return page_shapes(vllm_config.model_config.hf_config.laplace_config)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
@@ -375,9 +390,9 @@ class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree, Supports
 
     @classmethod
     def get_mamba_state_copy_func(cls) -> tuple[MambaStateCopyFunc, MambaStateCopyFunc]:
-        """How vLLM copies one page's states, in `get_state_shape()` order: the GLA matrices as a
-        temporal state, the conv window [W, D] as a conv state (both whole, no speculation)."""
-        return get_temporal_copy_spec, get_conv_copy_spec
+        """How vLLM copies one page's states, in `get_state_shape()` order (Mamba2's): the conv
+        window as a conv state, the GLA matrices as a temporal state (whole, no speculation)."""
+        return get_conv_copy_spec, get_temporal_copy_spec
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()

@@ -226,6 +226,7 @@ def test_state_bytes():
         "total": 29_491_200,
     }
     assert cfg.state_bytes_per_sequence(conv_window=3)["total"] == 29_196_288
+    assert cfg.page_bytes_per_sequence() == 29_196_288  # vLLM's pages: the W - 1 window
     # the state the model actually allocates has exactly the computed size
     abstract = jax.eval_shape(lambda: init_state(cfg, 1))
     assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)) == 29_491_200

@@ -109,24 +109,25 @@ def _state_pages(worker):
 
 
 def test_vllm_state_pages_hold_the_documented_state(llm, exported):
-    """One page per sequence and layer: GLA [H, dk, dv] and conv window [W, D], fp32; their
-    bytes, summed over the layers, are laplace_spec's state bytes per sequence."""
+    """One page per sequence and layer, laid out as vLLM's Mamba2 lays out its own: conv
+    window [W - 1, D] and GLA [H, dv, dk], fp32; their bytes, summed over the layers, are
+    laplace_spec's page bytes per sequence (the state with the W - 1 window)."""
     cfg = exported[0]
     pages = [
         [(tuple(s), d, n) for s, d, n in layer] for layer in llm.collective_rpc(_state_pages)[0]
     ]
-    gla, conv = (cfg.n_heads, cfg.d_k, cfg.d_v), (cfg.conv_width, cfg.d_model)
+    conv, gla = (cfg.conv_width - 1, cfg.d_model), (cfg.n_heads, cfg.d_v, cfg.d_k)
     assert (
         pages
         == [
             [
-                (gla, "torch.float32", 4 * math.prod(gla)),
                 (conv, "torch.float32", 4 * math.prod(conv)),
+                (gla, "torch.float32", 4 * math.prod(gla)),
             ]
         ]
         * cfg.n_layers
     )
-    assert sum(n for layer in pages for _, _, n in layer) == cfg.state_bytes_per_sequence()["total"]
+    assert sum(n for layer in pages for _, _, n in layer) == cfg.page_bytes_per_sequence()
 
 
 def test_vllm_compiled_greedy_matches_jax(exported, prompts, reference):
@@ -237,9 +238,11 @@ def test_server_rejects_bad_requests_and_keeps_serving(server, bad):
 
 # ---- bf16 served as bf16; defaults derived from the folder -----------------------------------
 
-# observed 5.1e-4 on an AMD EPYC and 1.6e-2 on a Xeon with AVX-512 BF16 / AMX (one of 3 prompts;
-# the other two 0.0); bf16 vs fp32 on the same tokens differs by 3.8e-2 to 4.8e-2 on both
-BF16_LOGPROB_TOL = 2e-2
+# vLLM's Mamba2 conv kernels sum the taps in fp32 where the PyTorch module sums them in bf16
+# (docs/design.md s12.3): observed 3.3e-2 on an AMD EPYC (before, with the PyTorch kernels on
+# both sides: 5.1e-4 there, 1.6e-2 on a Xeon with AVX-512 BF16 / AMX); bf16 vs fp32 on the same
+# tokens differs by 3.8e-2 to 4.8e-2
+BF16_LOGPROB_TOL = 5e-2
 
 
 def _dtypes(worker):
@@ -253,12 +256,13 @@ def _dtypes(worker):
 def test_vllm_bf16_export_served_as_bf16(exported, prompts):
     """A bf16 export is served with bf16 weights and fp32 state pages; the log-probabilities of
     the tokens vLLM picks equal the PyTorch bf16 module's on the same sequence (teacher-forced)
-    within BF16_LOGPROB_TOL, and those tokens are the module's own greedy tokens."""
+    within BF16_LOGPROB_TOL, and each is the module's own greedy pick or within that tolerance
+    of it (bf16's rounding, ordered differently by the two sides' kernels, can flip a near tie;
+    greedy tokens are exact in fp32: the tests above)."""
     import torch
     from vllm import SamplingParams
 
     from export import exporter
-    from serve.generation import greedy_generate
     from serve.modeling_laplace import LaplaceForCausalLM
     from serve.vllm_adapter import make_llm
 
@@ -280,14 +284,17 @@ def test_vllm_bf16_export_served_as_bf16(exported, prompts):
     finally:
         del engine
     module = LaplaceForCausalLM.from_exported(bf, dtype=torch.bfloat16)
-    assert [list(o.outputs[0].token_ids) for o in outs] == greedy_generate(module, prompts, N_NEW)
     for p, o in zip(prompts, outs, strict=True):
         toks = list(o.outputs[0].token_ids)
         got = torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, toks, strict=True)])
         with torch.no_grad():
             logits = module(torch.tensor([p + toks])).logits[0, len(p) - 1 : -1]
-        want = torch.log_softmax(logits, -1)[torch.arange(N_NEW), toks]
+        logp = torch.log_softmax(logits.float(), -1)  # [N_NEW, vocab]
+        want = logp[torch.arange(N_NEW), toks]
         assert (got - want).abs().max().item() <= BF16_LOGPROB_TOL, (got - want).abs().max()
+        # each token is the module's greedy pick, or within the tolerance of it (a near tie
+        # that the two sides' bf16 rounding orders differently)
+        assert (logp.max(-1).values - want).max().item() <= BF16_LOGPROB_TOL
 
 
 def test_default_max_num_seqs_from_the_state_page_budget(llm, exported):
@@ -301,7 +308,7 @@ def test_default_max_num_seqs_from_the_state_page_budget(llm, exported):
     )
 
     cfg, _, out = exported
-    per_seq = cfg.state_bytes_per_sequence()["total"]
+    per_seq = cfg.page_bytes_per_sequence()
     pages = state_budget_bytes() // per_seq
     assert llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == pages
     assert default_max_num_seqs(out) == min(pages - 1, MAX_DEFAULT_SEQS)

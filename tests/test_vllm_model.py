@@ -195,11 +195,46 @@ def test_model_loads_every_tensor_through_its_weight_loader(folder, tp_group):
 # ---- one state layer's step against the PyTorch mixer, one sequence at a time ---------------
 
 
-DECODES = [9, 2, 1]  # seq_len; 1: the sequence's first token (a 1-token prompt on a used page)
+DECODES = [9, 2, 5]  # seq_len of each decode (vLLM's Mamba2 metadata: every decode has a past)
 # (query, seq): fresh prompts (query == seq: 1, 17, 333 tokens), continued from their pages
 # (vLLM's chunked prefill, or a prefix-cache hit: query < seq) at C + 1, C - 1 ... tokens
 PREFILLS = [(44, 300), (1, 1), (17, 17), (333, 333), (C + 1, 1000), (C - 1, 5 * C), (2, 5)]
-SLOTS = [7, 0, 3, 11, 5, 1, 9, 2, 4, 6]  # each sequence's page, of 12
+SLOTS = [7, 10, 3, 11, 5, 1, 9, 2, 4, 6]  # each sequence's page, of 12 (0: vLLM's null block)
+
+
+def _step_metadata(qlens: list[int], seq_lens: list[int], n_decodes: int):
+    """vLLM's Mamba2AttentionMetadata of one step, as its builder makes it: decodes first, the
+    prefills' chunk boundaries from vLLM's own `compute_varlen_chunk_metadata`."""
+    from vllm.v1.attention.backends.mamba2_attn import (
+        Mamba2AttentionMetadata,
+        compute_varlen_chunk_metadata,
+    )
+
+    cu = torch.tensor([0, *np.cumsum(qlens).tolist()], dtype=torch.int32)
+    td = n_decodes  # one token per decode
+    cu_p = cu[n_decodes:] - td
+    past = torch.tensor(seq_lens[n_decodes:]) > torch.tensor(qlens[n_decodes:])
+    cu_chunk, last_chunk, seq_idx = compute_varlen_chunk_metadata(cu_p, C)
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    return Mamba2AttentionMetadata(
+        num_prefills=len(qlens) - n_decodes,
+        num_prefill_tokens=int(cu[-1]) - td,
+        num_decodes=n_decodes,
+        num_decode_tokens=td,
+        num_reqs=len(qlens),
+        has_initial_states_p=past,
+        query_start_loc_p=cu_p,
+        state_indices_tensor_p=slots[n_decodes:],
+        state_indices_tensor_d=slots[:n_decodes, None],
+        query_start_loc_d=None,
+        num_accepted_tokens=None,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        cu_chunk_seqlen_p=cu_chunk,
+        last_chunk_indices_p=last_chunk,
+        prep_initial_states=bool(past.any()),
+        chunk_size=C,
+        seq_idx_p=seq_idx,
+    )
 
 
 def _mixer_step(monkeypatch, dtype=torch.float32):
@@ -209,7 +244,6 @@ def _mixer_step(monkeypatch, dtype=torch.float32):
     import types
 
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.v1.attention.backends.linear_attn import LinearAttentionMetadata
 
     import serve.vllm_model as vm
 
@@ -227,49 +261,51 @@ def _mixer_step(monkeypatch, dtype=torch.float32):
     for m in mixer.modules():  # as vLLM's loader: pack the linear weights (oneDNN on CPU)
         if getattr(m, "quant_method", None) is not None:
             m.quant_method.process_weights_after_loading(m)
-    pages = (torch.randn(12, *TINY.gla_state_shape), torch.randn(12, *TINY.conv_state_shape))
+    # a window holds past inputs, which are in the activations' dtype
+    pages = tuple(torch.randn(12, *shape).to(dtype).float() for shape in mixer.get_state_shape())
     mixer.kv_cache = tuple(t.clone() for t in pages)
     qlens = [1] * len(DECODES) + [q for q, _ in PREFILLS]
     cu = [0, *np.cumsum(qlens).tolist()]
-    ctx.attn_metadata = LinearAttentionMetadata(
-        num_prefills=len(PREFILLS),
-        num_prefill_tokens=sum(q for q, _ in PREFILLS),
-        num_decodes=len(DECODES),
-        num_decode_tokens=len(DECODES),
-        query_start_loc=torch.tensor(cu, dtype=torch.int32),
-        seq_lens=torch.tensor(DECODES + [s for _, s in PREFILLS], dtype=torch.int32),
-        state_indices_tensor=torch.tensor(SLOTS, dtype=torch.int32),
-    )
+    ctx.attn_metadata = _step_metadata(qlens, DECODES + [s for _, s in PREFILLS], len(DECODES))
     h = torch.randn(cu[-1] + 5, TINY.d_model, dtype=dtype)
     return mixer, pages, cu, h
 
 
+def _reference_states(pages, slot: int, fresh: bool):
+    """A sequence's vLLM pages (conv [W - 1, D], GLA [H, dv, dk]) as the PyTorch model's state
+    (window [1, W, D], whose oldest row no output reads; GLA [1, H, dk, dv]), zeros if fresh."""
+    conv, gla = pages[0][slot], pages[1][slot].transpose(-1, -2)
+    window = torch.cat([conv.new_zeros(1, conv.shape[1]), conv])
+    if fresh:
+        window, gla = torch.zeros_like(window), torch.zeros_like(gla)
+    return window[None], gla[None]
+
+
 def test_vllm_mixer_step_equals_per_sequence(monkeypatch, tp_group):
-    """One vLLM step of a layer: decodes (one fresh: a 1-token prompt on a used page) and
-    prefills (fresh, and continued from their pages: vLLM's chunked prefill or a prefix-cache
-    hit) give each sequence the output and final pages of `LaplaceMixer.forward` run on it
-    alone; other pages and the padding rows are untouched. The mixer's linear layers are
+    """One vLLM step of a layer on vLLM's Mamba2 kernels: decodes and prefills (fresh, one of
+    them a 1-token prompt on a used page, and continued from their pages: vLLM's chunked
+    prefill or a prefix-cache hit) give each sequence the output and final pages of the
+    PyTorch reference `LaplaceMixer.forward` run on it alone (1e-5 in fp32; the conv window
+    exactly); other pages and the padding rows are untouched. The mixer's linear layers are
     vLLM's own, their weights packed as the engine's loader does."""
     from serve.modeling_laplace import LaplaceMixer
 
     mixer, pages, cu, h = _mixer_step(monkeypatch)
     n, seq_lens = cu[-1], DECODES + [s for _, s in PREFILLS]
     with torch.no_grad():
-        out = mixer(h)  # the two custom ops (conv, GLA) and the plain-torch steps between them
+        out = mixer(h)  # the state op (vLLM's kernels) and the plain-torch steps after it
         for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
-            gla0, conv0 = (t[SLOTS[i] : SLOTS[i] + 1] for t in pages)
-            if seq_lens[i] == b - a:  # starts here: zeros
-                gla0, conv0 = torch.zeros_like(gla0), torch.zeros_like(conv0)
+            conv0, gla0 = _reference_states(pages, SLOTS[i], fresh=seq_lens[i] == b - a)
             y, conv1, gla1 = LaplaceMixer.forward(mixer, h[None, a:b], conv0, gla0)
-            _close(out[a:b], y[0], rtol=1e-4)
-            _close(mixer.kv_cache[0][SLOTS[i]], gla1[0])
-            assert torch.equal(mixer.kv_cache[1][SLOTS[i]], conv1[0])
+            _close(out[a:b], y[0])
+            assert torch.equal(mixer.kv_cache[0][SLOTS[i]], conv1[0, 1:])
+            _close(mixer.kv_cache[1][SLOTS[i]], gla1[0].transpose(-1, -2))
     assert torch.equal(out[n:], torch.zeros_like(out[n:]))
     other = sorted(set(range(12)) - set(SLOTS))
     for page, before in zip(mixer.kv_cache, pages, strict=True):
         assert torch.equal(page[other], before[other])
-    # bf16 pages (vLLM's --mamba-ssm-cache-dtype / --mamba-cache-dtype bfloat16): read as fp32,
-    # written back in bf16, the same step within bf16's rounding of the pages
+    # bf16 pages (vLLM's --mamba-ssm-cache-dtype / --mamba-cache-dtype bfloat16): the same
+    # step within bf16's rounding of the pages
     want_out, want_pages = out, mixer.kv_cache
     mixer.kv_cache = tuple(t.to(torch.bfloat16) for t in pages)
     with torch.no_grad():
@@ -280,10 +316,29 @@ def test_vllm_mixer_step_equals_per_sequence(monkeypatch, tp_group):
         _close(page[SLOTS].float(), want[SLOTS], rtol=5e-2)
 
 
+def test_vllm_mixer_bf16_step_equals_the_reference(monkeypatch, tp_group):
+    """The same step with bf16 weights and activations (fp32 pages): vLLM's kernels against the
+    PyTorch reference on each sequence, within bf16's rounding: vLLM's conv sums its products
+    in fp32 where the reference's are bf16, and its GLA outputs are bf16 where the reference's
+    are fp32 (seen: outputs 4.7% of their largest entry at worst, GLA states 0.8%)."""
+    from serve.modeling_laplace import LaplaceMixer
+
+    mixer, pages, cu, h = _mixer_step(monkeypatch, torch.bfloat16)
+    seq_lens = DECODES + [s for _, s in PREFILLS]
+    with torch.no_grad():
+        out = mixer(h)
+        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+            conv0, gla0 = _reference_states(pages, SLOTS[i], fresh=seq_lens[i] == b - a)
+            y, conv1, gla1 = LaplaceMixer.forward(mixer, h[None, a:b], conv0, gla0)
+            _close(out[a:b].float(), y[0].float(), rtol=5e-2)
+            assert torch.equal(mixer.kv_cache[0][SLOTS[i]], conv1[0, 1:])  # bf16 inputs, kept
+            _close(mixer.kv_cache[1][SLOTS[i]], gla1[0].transpose(-1, -2), rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vllm_mixer_compiled_equals_eager(monkeypatch, tp_group, dtype):
-    """vLLM's compile mode on the mixer: torch.compile (inductor) over everything but the two
-    state ops, which it calls as opaque custom ops, gives the eager step's outputs and pages
+    """vLLM's compile mode on the mixer: torch.compile (inductor) over everything but the
+    state op, which it calls as an opaque custom op, gives the eager step's outputs and pages
     on the same step (decodes, fresh and continued prefills of 1, C - 1, C + 1 and 333 tokens):
     within 1e-5 in fp32, within bf16's rounding (2e-2) for bf16 weights and activations
     (inductor fuses and reorders the elementwise math; the products are the same)."""
@@ -300,7 +355,7 @@ def test_vllm_mixer_compiled_equals_eager(monkeypatch, tp_group, dtype):
 
 
 def test_state_dtypes_follow_vllm_cache_settings():
-    """The pages' dtypes (GLA matrices, conv window) from vLLM's --mamba-ssm-cache-dtype and
+    """The pages' dtypes (conv window, GLA matrices) from vLLM's --mamba-ssm-cache-dtype and
     --mamba-cache-dtype through its MambaStateDtypeCalculator; "auto" is fp32."""
     from vllm.config import CacheConfig, VllmConfig
 
@@ -319,11 +374,110 @@ def test_state_dtypes_follow_vllm_cache_settings():
         return state_dtypes(config)
 
     assert dtypes() == (f32, f32)
-    assert dtypes(mamba_ssm_cache_dtype="bfloat16") == (bf16, f32)
+    assert dtypes(mamba_ssm_cache_dtype="bfloat16") == (f32, bf16)
     assert dtypes(mamba_cache_dtype="bfloat16") == (bf16, bf16)
-    assert dtypes(mamba_cache_dtype="bfloat16", mamba_ssm_cache_dtype="float32") == (f32, bf16)
+    assert dtypes(mamba_cache_dtype="bfloat16", mamba_ssm_cache_dtype="float32") == (bf16, f32)
     # vLLM 0.32's CPU platform (platforms/cpu.py) resets a bf16 SSM cache dtype to fp32 on CPUs
     # with AVX-512 BF16 for models off its GDN backend: the pages are then fp32 (README)
     asked = VllmConfig(cache_config=CacheConfig(mamba_ssm_cache_dtype="bfloat16"))
     reset = asked.device_config.device.type == "cpu" and torch.cpu._is_avx512_bf16_supported()
-    assert state_dtypes(asked) == ((f32, f32) if reset else (bf16, f32))
+    assert state_dtypes(asked) == ((f32, f32) if reset else (f32, bf16))
+
+
+# ---- vLLM's Mamba2 kernels: the private API the state op calls --------------------------------
+
+
+def test_vllm_mamba2_kernels_keep_their_signature_and_meaning():
+    """The four kernels of vllm/model_executor/layers/mamba/ops the state op calls (the
+    platform's form, as vLLM's Mamba2 binds them): they accept its arguments by the same names
+    and positions, and mean what docs/design.md s12.3 maps GLA onto. With dt = 1, A = log lambda,
+    B = k, x = v, C = scale q, the update and the varlen chunk scan give the definition's
+    outputs and states (`gla_recurrent`, from an initial state, within 1e-5 in fp32), and the
+    conv kernels the reference conv with the window of the last W - 1 inputs."""
+    import inspect
+
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import (
+        causal_conv1d_fn,
+        causal_conv1d_update,
+    )
+    from vllm.model_executor.layers.mamba.ops.mamba_ssm import selective_state_update
+    from vllm.model_executor.layers.mamba.ops.ssd_combined import (
+        mamba_chunk_scan_combined_varlen,
+    )
+
+    from serve.kernels import causal_conv, gla_recurrent
+
+    calls = {  # (positional count, keyword names) as serve/vllm_model.py passes them
+        causal_conv1d_update: (5, ["conv_state_indices"]),
+        causal_conv1d_fn: (
+            3,
+            ["conv_states", "query_start_loc", "cache_indices", "has_initial_state"]
+            + ["activation", "metadata"],
+        ),
+        selective_state_update: (
+            6,
+            ["state_batch_indices", "dst_state_batch_indices", "out"],
+        ),
+        mamba_chunk_scan_combined_varlen: (
+            5,
+            ["chunk_size", "cu_seqlens", "cu_chunk_seqlens", "last_chunk_indices", "seq_idx"]
+            + ["out", "initial_states", "state_dtype"],
+        ),
+    }
+    for fn, (n_pos, keywords) in calls.items():
+        inspect.signature(fn).bind(*range(n_pos), **dict.fromkeys(keywords))
+
+    torch.manual_seed(0)
+    H, K, V, D, W, scale = 2, 8, 4, 16, 4, 0.3
+    lens = [5, 1, 2 * C + 3]  # cut by the chunks; one token; several chunks
+    cu = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
+    T, P = int(cu[-1]), len(lens)
+    q, k, v = torch.randn(T, H, K), torch.randn(T, H, K), torch.randn(T, H, V)
+    log_decay = -torch.rand(H)
+    S0 = torch.randn(P, H, K, V)
+    slots = torch.tensor([3, 1, 2], dtype=torch.int32)  # of 4 pages; 0 is the null block
+    # the varlen chunk scan from initial states, and one update on each final state
+    from vllm.v1.attention.backends.mamba2_attn import compute_varlen_chunk_metadata
+
+    cu_chunk, last_chunk, seq_idx = compute_varlen_chunk_metadata(cu, C)
+    o = torch.empty(T, H, V)
+    states = mamba_chunk_scan_combined_varlen(
+        v, torch.ones(T, H), log_decay, k, scale * q, chunk_size=C, cu_seqlens=cu,
+        cu_chunk_seqlens=cu_chunk, last_chunk_indices=last_chunk, seq_idx=seq_idx, out=o,
+        initial_states=S0.transpose(-1, -2), state_dtype=torch.float32,
+    )  # fmt: skip
+    pages = torch.zeros(4, H, V, K)
+    pages[slots.long()] = states
+    q1, k1, v1 = torch.randn(P, H, K), torch.randn(P, H, K), torch.randn(P, H, V)
+    o1 = torch.empty(P, H, V)
+    A = log_decay[:, None, None].expand(-1, V, K)
+    selective_state_update(
+        pages, v1, torch.ones(P, H, V), A, k1, scale * q1,
+        state_batch_indices=slots[:, None], dst_state_batch_indices=slots[:, None], out=o1,
+    )  # fmt: skip
+    for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        seq = [torch.cat([x[a:b], x1[s : s + 1]])[None] for x, x1 in ((q, q1), (k, k1), (v, v1))]
+        want_o, want_S = gla_recurrent(*seq, log_decay, S0[s : s + 1], scale)
+        _close(o[a:b], want_o[0, :-1])
+        _close(o1[s], want_o[0, -1])
+        _close(pages[slots[s]], want_S[0].transpose(-1, -2))
+    # the conv: a varlen pass from windows, then one update
+    h, h1 = torch.randn(T, D), torch.randn(P, D)
+    weight, bias = torch.randn(D, W), torch.randn(D)
+    windows = torch.randn(P, W, D)
+    conv_pages = torch.zeros(4, W - 1, D)  # vLLM's "SD" layout, seen by the kernels as [D, W-1]
+    conv_pages[slots.long()] = windows[:, 1:]
+    u = causal_conv1d_fn(
+        h.transpose(0, 1), weight, bias, conv_states=conv_pages.transpose(-1, -2),
+        query_start_loc=cu, cache_indices=slots, has_initial_state=torch.ones(P, dtype=bool),
+        activation="silu",
+    ).transpose(0, 1)  # fmt: skip
+    u1 = causal_conv1d_update(
+        h1, conv_pages.transpose(-1, -2), weight, bias, "silu", conv_state_indices=slots[:, None]
+    )
+    for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        seq = torch.cat([h[a:b], h1[s : s + 1]])[None]
+        want_u, want_window = causal_conv(seq, windows[s : s + 1], weight, bias)
+        _close(u[a:b], want_u[0, :-1])
+        _close(u1[s], want_u[0, -1])
+        assert torch.equal(conv_pages[slots[s]], want_window[0, 1:])

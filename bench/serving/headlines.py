@@ -34,7 +34,7 @@ def headlines(results: dict, cfg: LaplaceConfig, sz: Sizes) -> None:
     """docs/design.md s7's headline keys (plain numbers), the extras beside them, and every
     paired ratio with its spread (`ratios`)."""
     measured = results["laplace_state"]
-    computed = cfg.state_bytes_per_sequence()["total"]
+    computed = cfg.page_bytes_per_sequence()
     ratios: dict[str, dict] = {}
 
     def cost(who: str, field: str = "window_samples") -> dict | None:  # 8k over 2k, by round

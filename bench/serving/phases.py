@@ -57,7 +57,7 @@ def run_side_by_side(lap_dir, llama_dir, cfg: LaplaceConfig, sz: Sizes, max_len,
     results["laplace_state"] = measured = measured_state_bytes(lap)
     print(
         f"  state per sequence: measured {measured['bytes_per_seq']:,} B on vLLM's pages, "
-        f"computed {cfg.state_bytes_per_sequence()['total']:,} B",
+        f"computed {cfg.page_bytes_per_sequence():,} B",
         flush=True,
     )
 
