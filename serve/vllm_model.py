@@ -184,9 +184,9 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
 
     def state_tokens(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's tokens h [N, D] (rows beyond the step's n tokens: padding) -> the fused
-        projection of their conv outputs [N, qkvg_dim] and their GLA outputs [N, H, dv] in h's
-        dtype (zeros on padding rows), each sequence continuing its pages, which the kernels
-        update in place (the chunk scan's final states are written back by one scatter).
+        projection of their conv outputs [N, qkvg_dim] and their GLA outputs [N, H, dv] fp32
+        (zeros on padding rows), each sequence continuing its pages, which the kernels update
+        in place (the chunk scan's final states are written back by one scatter).
 
         Mamba2's kernels with dt = 1, A = log lambda, B = k, x = v, C = scale q (docs/design.md
         s12.3): decodes through `causal_conv1d_update` and `selective_state_update`, prefills
@@ -201,8 +201,15 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
         conv_pages, gla_pages = self.kv_cache
         conv_state = conv_pages if is_conv_state_dim_first() else conv_pages.transpose(-1, -2)
         w, b = self.conv_weight, self.conv_bias  # [D, W] (the exported layout is Mamba2's)
-        u = torch.empty_like(h)  # [N, D] conv outputs
-        if meta.num_decodes:
+        decode_only = meta.num_prefills == 0 and N == n  # the common step: no copies, no padding
+        if decode_only:
+            u = causal_conv1d_update(
+                h, conv_state, w, b, "silu", conv_state_indices=meta.state_indices_tensor_d
+            )  # [N, D] conv outputs
+        else:
+            u = torch.empty_like(h)
+            u[n:] = 0.0  # padding rows: zero inputs to the projection
+        if meta.num_decodes and not decode_only:
             u[:td] = causal_conv1d_update(
                 h[:td], conv_state, w, b, "silu", conv_state_indices=meta.state_indices_tensor_d
             )
@@ -218,13 +225,14 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
                 activation="silu",
                 metadata=meta,
             ).transpose(0, 1)
-        u[n:] = 0.0  # padding rows: zero inputs to the projection
         qkvg = self.qkvg_proj(u)  # [N, qkvg_dim]
         q, k, v, _ = self.split(qkvg[:n])
-        # the GLA in fp32 whatever the activations' dtype (no-op casts in fp32)
-        k, v, c = k.to(f32), v.to(f32), q.to(f32) * self.scale  # c [n, H, dk]: Mamba2's C
+        if qkvg.dtype != f32:  # the GLA in fp32 whatever the activations' dtype
+            q, k, v = q.to(f32), k.to(f32), v.to(f32)
+        c = q * self.scale  # [n, H, dk] Mamba2's C
         A, A_step = self.decay(h.device)
-        o = h.new_zeros(N, H, dv, dtype=f32)  # [N, H, dv], written in place by the kernels
+        # [N, H, dv], written in place by the kernels (the padding rows stay zero)
+        o = h.new_empty(N, H, dv, dtype=f32) if N == n else h.new_zeros(N, H, dv, dtype=f32)
         if meta.num_decodes:
             dt = _ones(meta, "decode", (td, H, dv), o)
             selective_state_update(

@@ -316,6 +316,26 @@ def test_vllm_mixer_step_equals_per_sequence(monkeypatch, tp_group):
         _close(page[SLOTS].float(), want[SLOTS], rtol=5e-2)
 
 
+def test_vllm_mixer_decode_only_step_equals_per_sequence(monkeypatch, tp_group):
+    """A step of decodes alone with no padding rows (the common step, which skips the
+    general path's buffers): each sequence's output and pages are the reference's."""
+    import serve.vllm_model as vm
+    from serve.modeling_laplace import LaplaceMixer
+
+    mixer, pages, _, h = _mixer_step(monkeypatch)
+    nd = len(DECODES)
+    h = h[:nd]
+    vm.get_forward_context().attn_metadata = _step_metadata([1] * nd, DECODES, nd)
+    with torch.no_grad():
+        out = mixer(h)
+        for i in range(nd):
+            conv0, gla0 = _reference_states(pages, SLOTS[i], fresh=False)
+            y, conv1, gla1 = LaplaceMixer.forward(mixer, h[None, i : i + 1], conv0, gla0)
+            _close(out[i : i + 1], y[0])
+            assert torch.equal(mixer.kv_cache[0][SLOTS[i]], conv1[0, 1:])
+            _close(mixer.kv_cache[1][SLOTS[i]], gla1[0].transpose(-1, -2))
+
+
 def test_vllm_mixer_bf16_step_equals_the_reference(monkeypatch, tp_group):
     """The same step with bf16 weights and activations (fp32 pages): vLLM's kernels against the
     PyTorch reference on each sequence, within bf16's rounding: vLLM's conv sums its products
