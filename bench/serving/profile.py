@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.serving.headlines import paired
 from bench.serving.measure import decode_window, rotated
 
 PROMPT, WINDOW = 16, 96  # prompt tokens; decode steps per timed window
@@ -77,6 +78,7 @@ def fit(layers: list[int], seconds: list[float]) -> dict:
 
 
 def spread(samples: list[float]) -> dict:
+    """{median, min, max, samples} of one figure's per-round samples (ratios: `paired`)."""
     return {
         "median": statistics.median(samples),
         "min": min(samples),
@@ -126,17 +128,10 @@ def profile_mode(dirs: dict[str, dict[int, Path]], compile_mode: bool, sz) -> di
                     median_fit["per_layer_s"] * mid / median_steps[layers.index(mid)]
                 ),
             }
-            row[f"{who}_layer_over_gemm"] = spread(
-                [a / g for a, g in zip(per_round, gemm[who], strict=True)]
-            )
+            row[f"{who}_layer_over_gemm"] = paired(per_round, gemm[who])
         lap, lla = row["laplace"], row["llama"]
-        row["laplace_over_llama_per_layer"] = spread(
-            [
-                a / b
-                for a, b in zip(
-                    lap["per_layer_s_by_round"], lla["per_layer_s_by_round"], strict=True
-                )
-            ]
+        row["laplace_over_llama_per_layer"] = paired(
+            lap["per_layer_s_by_round"], lla["per_layer_s_by_round"]
         )
         out[f"s{seqs}"] = row
         print(
