@@ -1,10 +1,13 @@
-"""Batched (variable-length) prefill: the packed kernels and the vLLM path built on them.
+"""Batched (variable-length) prefill: vLLM's Mamba2 varlen kernels and the vLLM path built on them.
 
-Kernel level: `gla_chunked_varlen` and `causal_conv_varlen` over sequences packed end to end
-(`cu_seqlens`) equal `gla_chunked` / `gla_recurrent` and `causal_conv` run one sequence at a
-time, outputs and final states, from random nonzero initial states (fp32, abs 1e-5 relative to
-the magnitude). Engine level: vLLM with its chunked prefill forced to 64 tokens a step (prompts
-continued across steps from their state pages) gives the greedy tokens of the PyTorch model.
+Kernel level: vLLM's `mamba_chunk_scan_combined_varlen` and `causal_conv1d_fn`, called as the
+state op calls them (dt = 1, A = log lambda, B = k, x = v, C = scale q; docs/design.md s12.3), over
+sequences packed end to end (`cu_seqlens`, chunk boundaries from vLLM's own
+`compute_varlen_chunk_metadata`) equal `gla_chunked` / `gla_recurrent` and `causal_conv` run one
+sequence at a time, outputs and final states, from random nonzero initial states (fp32, abs 1e-5
+relative to the magnitude). Engine level: vLLM with its chunked prefill forced to 64 tokens a step
+(prompts continued across steps from their state pages) gives the greedy tokens of the PyTorch
+model.
 """
 
 from __future__ import annotations
@@ -15,13 +18,7 @@ import torch
 from shared_fixtures import set_vllm_env
 
 from laplace_spec.config import PRESETS
-from serve.kernels import (
-    causal_conv,
-    causal_conv_varlen,
-    gla_chunked,
-    gla_chunked_varlen,
-    gla_recurrent,
-)
+from serve.kernels import causal_conv, gla_chunked, gla_recurrent
 
 TINY = PRESETS["tiny"]
 C = TINY.chunk_size  # 16
@@ -39,17 +36,29 @@ def _packed(lengths, seed):
     H, K, V, T = TINY.n_heads, TINY.d_k, TINY.d_v, sum(lengths)
     q, k, v = torch.randn(T, H, K), torch.randn(T, H, K), torch.randn(T, H, V)
     s0 = torch.randn(len(lengths), H, K, V)
-    cu = torch.tensor([0, *np.cumsum(lengths).tolist()])
+    cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32)
     return q, k, v, s0, cu
 
 
 @pytest.mark.parametrize("lengths", [LENGTHS, [C + 1], [7, 7, 7]])
-def test_gla_chunked_varlen_equals_per_sequence(lengths):
+def test_vllm_chunk_scan_varlen_equals_per_sequence(lengths):
+    from vllm.model_executor.layers.mamba.ops.ssd_combined import (
+        mamba_chunk_scan_combined_varlen,
+    )
+    from vllm.v1.attention.backends.mamba2_attn import compute_varlen_chunk_metadata
+
     q, k, v, s0, cu = _packed(lengths, seed=len(lengths))
     log_decay = torch.tensor(TINY.log_decay(), dtype=torch.float32)  # head 0: lambda = 0.5
     scale = TINY.d_k**-0.5
-    o, s = gla_chunked_varlen(q, k, v, log_decay, s0, cu, scale, C)
-    assert o.shape == (sum(lengths), TINY.n_heads, TINY.d_v) and s.shape == s0.shape
+    T = sum(lengths)
+    cu_chunk, last_chunk, seq_idx = compute_varlen_chunk_metadata(cu, C)
+    o = torch.empty(T, TINY.n_heads, TINY.d_v)
+    s = mamba_chunk_scan_combined_varlen(
+        v, torch.ones(T, TINY.n_heads), log_decay, k, scale * q, chunk_size=C, cu_seqlens=cu,
+        cu_chunk_seqlens=cu_chunk, last_chunk_indices=last_chunk, seq_idx=seq_idx, out=o,
+        initial_states=s0.transpose(-1, -2), state_dtype=torch.float32,
+    ).transpose(-1, -2)  # fmt: skip
+    assert s.shape == s0.shape
     for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
         args = (q[None, a:b], k[None, a:b], v[None, a:b], log_decay, s0[i : i + 1], scale)
         o_ref, s_ref = gla_chunked(*args, C)
@@ -61,20 +70,27 @@ def test_gla_chunked_varlen_equals_per_sequence(lengths):
             _close(s[i], s_def[0])
 
 
-def test_causal_conv_varlen_equals_per_sequence():
-    """Bit for bit, fp32 and bf16: the prefill conv of the vLLM model and the PyTorch model's
-    conv sum the same products in the same order (a bf16 difference turns greedy ties)."""
+def test_vllm_causal_conv_varlen_equals_per_sequence():
+    """fp32: vLLM's prefill conv from each sequence's page (the last W - 1 inputs) gives the
+    PyTorch conv's outputs, and leaves each page holding the last W - 1 inputs exactly (a
+    sequence shorter than W keeps part of its old window)."""
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
+
     torch.manual_seed(3)
-    D, W, T = TINY.d_model, TINY.conv_width, sum(LENGTHS)
-    cu = torch.tensor([0, *np.cumsum(LENGTHS).tolist()])
-    for dtype in (torch.float32, torch.bfloat16):
-        h, w, b = (torch.randn(*s).to(dtype) for s in ((T, D), (D, W), (D,)))
-        windows = torch.randn(len(LENGTHS), W, D)
-        u, new = causal_conv_varlen(h, windows, cu, w, b)
-        for i, (a, bb) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
-            u_ref, new_ref = causal_conv(h[None, a:bb], windows[i : i + 1], w, b)
-            assert torch.equal(u[a:bb], u_ref[0]), dtype
-            assert torch.equal(new[i], new_ref[0])  # a copy of inputs: exact
+    D, W, T, P = TINY.d_model, TINY.conv_width, sum(LENGTHS), len(LENGTHS)
+    cu = torch.tensor([0, *np.cumsum(LENGTHS).tolist()], dtype=torch.int32)
+    h, w, b = torch.randn(T, D), torch.randn(D, W), torch.randn(D)
+    windows = torch.randn(P, W, D)
+    pages = windows[:, 1:].clone()  # [P, W - 1, D]: vLLM's "SD" layout, page i for sequence i
+    u = causal_conv1d_fn(
+        h.transpose(0, 1), w, b, conv_states=pages.transpose(-1, -2), query_start_loc=cu,
+        cache_indices=torch.arange(P, dtype=torch.int32),
+        has_initial_state=torch.ones(P, dtype=torch.bool), activation="silu",
+    ).transpose(0, 1)  # fmt: skip
+    for i, (a, bb) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        u_ref, new_ref = causal_conv(h[None, a:bb], windows[i : i + 1], w, b)
+        _close(u[a:bb], u_ref[0])
+        assert torch.equal(pages[i], new_ref[0, 1:])  # a copy of inputs: exact
 
 
 # ---- engine level: vLLM's chunked prefill, continued across steps from the state pages --------
