@@ -18,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 from flax import traverse_util
+from shared_fixtures import START_ENV
 
 from laplace_jax.model import abstract_params, init_params
 from laplace_jax.optim import opt_state_shardings
@@ -308,7 +309,7 @@ def test_restore_onto_four_devices_gives_the_same_parameters(tmp_path, states):
         print("OK", got["step"])
         """
     )
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**START_ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     out = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True
     )

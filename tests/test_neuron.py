@@ -3,7 +3,6 @@ each process for 1, 2 and 4 instances (values worked out by hand), argument erro
 field, the launcher's --dry-run, host initialisation equal to the on-device one bit for bit, and
 the smoke script on 2 simulated CPU devices. Nothing here touches Neuron hardware."""
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -12,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from shared_fixtures import START_ENV
 
 from laplace_jax.model import abstract_params
 from laplace_jax.sharding import abstract_with_shardings, make_mesh, param_shardings, replicated
@@ -212,7 +212,8 @@ def test_init_on_host_equals_the_device_init_bit_for_bit():
 
 
 def _smoke(*args, timeout=300):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets its own
+    # a fresh command (START_ENV: not vLLM's LD_PRELOAD); the script sets its own XLA_FLAGS
+    env = {k: v for k, v in START_ENV.items() if k != "XLA_FLAGS"}
     return subprocess.run(
         [sys.executable, "-m", "train.neuron_smoke", "--backend", "cpu", *args],
         cwd=REPO,

@@ -8,7 +8,6 @@ import glob
 import hashlib
 import json
 import math
-import os
 import shutil
 import signal
 import struct
@@ -21,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from shared_fixtures import START_ENV
 
 from laplace_jax.model import LaplaceLM, abstract_params, init_params
 from laplace_jax.optim import OPTIMIZER_PRESETS, OptimizerConfig, learning_rate_schedule
@@ -116,7 +116,7 @@ def _tensorboard_scalars(run_dir):
 
 def _subprocess(args, devices=8, code=None):
     """`python -m train.main ARGS`, or `python -c CODE ARGS`."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = {**START_ENV, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     command = ["-m", "train.main"] if code is None else ["-c", code]
     return subprocess.run(
         [sys.executable, *command, *args], cwd=REPO, env=env, capture_output=True, text=True
@@ -397,7 +397,7 @@ def test_corrupt_newest_checkpoint_resumes_from_the_older_and_keeps_the_log(
 def _start(args, devices=8, env=None):
     """`python -m train.main ARGS` in the background, on `devices` CPU devices."""
     env = {
-        **os.environ,
+        **START_ENV,  # a fresh command: not the child of a process that ran vLLM (its LD_PRELOAD)
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
         **(env or {}),
     }
@@ -446,22 +446,28 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _fatal_lines(err: str) -> str:
+    """A stderr without its stack-trace frames: what a process that aborted said before it did
+    (XLA prints dozens of `@ 0x...` frames after the message, which would crowd it out)."""
+    return "\n".join(line for line in err.splitlines() if not line.lstrip().startswith("@ 0x"))
+
+
 def test_two_processes_agree_on_the_checkpoint_when_one_finds_it_corrupt(shards, tmp_path):
     """Only process 0's shards of the newest checkpoint are damaged: process 1 reads its own
     fine, yet both skip it and resume from the same older step (and neither hangs)."""
     run = tmp_path / "run"
-    common = ("--steps", "8", "--ckpt-every", "4", "eval_every=0")
+    common = ("--steps", "4", "--ckpt-every", "2", "eval_every=0")
     for rc, _, err in _two_processes(_args(shards, run, *common), _free_port()):
-        assert rc == 0, err[-2000:]
-    for f in (run / "checkpoints" / "8" / "params").glob("ocdbt.process_0/d/*"):
+        assert rc == 0, _fatal_lines(err)[-3000:]
+    for f in (run / "checkpoints" / "4" / "params").glob("ocdbt.process_0/d/*"):
         f.write_bytes(f.read_bytes()[:10])
     (p0, out0, err0), (p1, out1, err1) = _two_processes(_args(shards, run, *common), _free_port())
-    assert p0 == 0 and p1 == 0, (err0[-2000:], err1[-2000:])
+    assert p0 == 0 and p1 == 0, (p0, p1, _fatal_lines(err0)[-3000:], _fatal_lines(err1)[-3000:])
     assert "is corrupt (restore: ValueError: OUT_OF_RANGE" in err0
     assert "is corrupt (another process found it corrupt" in err1
-    assert f"resumed from {run / 'checkpoints' / '4'} at step 4" in out0
-    assert _ckpt_steps(run / "checkpoints") == [4, 8]
-    assert (run / "checkpoints-corrupt" / "8").is_dir()
+    assert f"resumed from {run / 'checkpoints' / '2'} at step 2" in out0
+    assert _ckpt_steps(run / "checkpoints") == [2, 4]
+    assert (run / "checkpoints-corrupt" / "4").is_dir()
 
 
 def test_layout_mismatch_stops_the_run_without_touching_it(shards, tmp_path, capsys):

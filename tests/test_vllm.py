@@ -130,19 +130,6 @@ def test_vllm_state_pages_hold_the_documented_state(llm, exported):
     assert sum(n for layer in pages for _, _, n in layer) == cfg.page_bytes_per_sequence()
 
 
-def test_vllm_compiled_greedy_matches_jax(exported, prompts, reference):
-    """vLLM's compile mode (on CPU: traced once, symbolic token count, inductor); about 45 s on
-    the project's 2-core CPU, with cold and warm compile caches alike. Its own engine: compile
-    mode is a setting of the engine, not of a request."""
-    from serve.vllm_adapter import generate, make_llm
-
-    engine = make_llm(str(exported[2]), max_num_seqs=8, compile=True)
-    try:
-        assert [r["token_ids"] for r in generate(engine, prompts, N_NEW)] == reference
-    finally:
-        del engine
-
-
 def test_cli_offline_json(llm, exported, prompts, reference, monkeypatch, capsys):
     """`python -m serve.vllm_adapter --prompt ... --prompt-ids ... --json`: its main() on the
     shared engine (the engine it would build differs from the fixture's only in max_num_seqs, a

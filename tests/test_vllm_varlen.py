@@ -104,11 +104,14 @@ def exported(tiny_export):
     return tiny_export
 
 
-def test_vllm_small_chunked_prefill_matches_pytorch(exported):
+def test_vllm_compiled_small_chunked_prefill_matches_pytorch(exported):
     """Prompts of 300, 1 (after a long one: a used page), 17, 150 and 90 tokens in one call with
     64 tokens a step: steps mix decodes, prompt ends, prompt starts and continued chunks; then
     a 1-token and a long prompt alone. Every sequence: the greedy tokens of
-    `serve.generation.greedy_generate` (the normal engine's are checked in tests/test_vllm.py)."""
+    `serve.generation.greedy_generate` (the normal engine's are checked in tests/test_vllm.py).
+    The engine runs vLLM's compile mode (on CPU: traced once with a symbolic token count, then
+    inductor), so the compiled state op is held to the same tokens: the one engine of the suite
+    in compile mode (about 45 s to build on the project's 2-core CPU)."""
     from serve.generation import greedy_generate
     from serve.modeling_laplace import LaplaceForCausalLM
     from serve.vllm_adapter import generate, make_llm
@@ -119,9 +122,13 @@ def test_vllm_small_chunked_prefill_matches_pytorch(exported):
     model = LaplaceForCausalLM.from_exported(folder)
     want = [greedy_generate(model, [p], N_NEW)[0] for p in prompts]
     set_vllm_env()
-    # its own engine: the step budget (64 tokens) is the engine's setting under test
+    # its own engine: the step budget (64 tokens) and compile mode are the engine's settings
     llm = make_llm(
-        str(folder), max_num_seqs=8, max_num_batched_tokens=BUDGET, enable_chunked_prefill=True
+        str(folder),
+        max_num_seqs=8,
+        compile=True,
+        max_num_batched_tokens=BUDGET,
+        enable_chunked_prefill=True,
     )
     try:
         sched = llm.llm_engine.vllm_config.scheduler_config
