@@ -22,18 +22,23 @@ HEARTBEAT_S = (
     10  # --heartbeat-timeout of these runs: above a loaded machine's heartbeat stalls (3 s was not)
 )
 STEPS, CKPT_EVERY = 12, 4
-# Process `kill_process` runs train.main in-process with a hook that SIGKILLs it right after
-# step `kill_after` (after that step's checkpoint save started, when the step is a save step),
-# having written the time to `killed_at`: a real SIGKILL at a known step.
+# Each process runs train.main in-process with a hook that SIGKILLs process 1 right after step
+# `kill_after` (after that step's checkpoint save started, when the step is a save step), once
+# the checkpoint `committed` is on disk (its commit needs both processes: a kill before it would
+# leave an earlier checkpoint the newest), having written the time to `killed_at`: a real
+# SIGKILL at a known step.
 WORKER = """
 import os, signal, sys, time
 from pathlib import Path
 import jax
 from train import main as train_main
 from train.loop import Hooks
-kill_after, killed_at, argv = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+kill_after, argv = int(sys.argv[1]), sys.argv[4:]
+committed, killed_at = Path(sys.argv[2]), Path(sys.argv[3])
 def after_step(done):
     if done == kill_after and jax.process_index() == 1:
+        while not committed.exists():
+            time.sleep(0.05)
         killed_at.write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 sys.exit(train_main.main(argv, hooks=Hooks(after_step=after_step)))
@@ -81,7 +86,9 @@ def _run_two(shards, run_dir, kill_after=0, killed_at=None):
             "JAX_NUM_PROCESSES": "2",
             "JAX_PROCESS_ID": str(i),
         }
-        command = [sys.executable, "-c", WORKER, str(kill_after), str(killed_at), *argv]
+        committed = run_dir / "checkpoints" / str(CKPT_EVERY)  # the first checkpoint
+        command = [sys.executable, "-c", WORKER, str(kill_after), str(committed), str(killed_at)]
+        command += argv
         procs.append(
             subprocess.Popen(
                 command,
@@ -172,3 +179,33 @@ def test_a_heartbeat_timeout_under_a_second_is_a_usage_error():
     with pytest.raises(SystemExit) as stop:
         cli.parse_args(["--heartbeat-timeout", "0"])
     assert stop.value.code == 2
+
+
+def test_absl_records_are_held_while_the_service_is_asked_then_logged(caplog):
+    """orbax logs a failed commit barrier through absl from its save thread: inside the hold it
+    is kept back (a lost peer drops it with os._exit), after it logged as it was."""
+    from absl import logging as absl_logging
+
+    from train.lost_peer import absl_records_held
+
+    with absl_records_held() as held:
+        absl_logging.error("Failed to run 2 Handler Commit operations")
+        assert "Failed to run" not in caplog.text
+    assert [r.getMessage() for r in held.records] == ["Failed to run 2 Handler Commit operations"]
+    assert "Failed to run 2 Handler Commit operations" in caplog.text
+
+
+def test_orbax_barrier_timeout_counts_as_a_runtime_error():
+    """The trainer may meet a lost peer as orbax's TimeoutError raised from JAX's error."""
+    import jax
+
+    from train.lost_peer import _jax_runtime_error
+
+    try:
+        try:
+            raise jax.errors.JaxRuntimeError("Barrier failed")
+        except jax.errors.JaxRuntimeError as e:
+            raise TimeoutError("Timed out while waiting for async_write_complete barrier.") from e
+    except TimeoutError as timeout:
+        assert _jax_runtime_error(timeout)
+    assert not _jax_runtime_error(TimeoutError("a socket"))

@@ -8,9 +8,17 @@ peer"). The error does not say whether a peer died or something else broke, so
 (`DistributedRuntimeClient.get_live_nodes`), polling until the service has marked the dead one
 (it does after `heartbeat_timeout` seconds without its heartbeats). A process missing from the
 answer is a lost peer; when every process stays alive, the error is not ours to explain and it
-goes on. (JAX's `jax_enable_recoverability`, which would keep the service from telling the
-others to fail, is not used: with it, two-process start-ups aborted now and then in the test
-suite.) The runtime's own lines about the dead task precede ours.
+goes on. The error may also reach the trainer as orbax's (a save whose commit barrier failed),
+with JAX's error as its cause. (JAX's `jax_enable_recoverability`, which would keep the service
+from telling the others to fail, is not used: with it, two-process start-ups aborted now and
+then in the test suite.) The runtime's own C++ lines about the dead task may come before or
+after ours.
+
+While the service is asked, Python's log records through absl (orbax's) are held back: the
+service marks the dead process at the same moment a save in flight fails its commit barrier,
+and orbax's background thread then logs that failure with a traceback. A lost peer explains
+it (the save is not committed, the line names the newest complete checkpoint), so the held
+records are dropped when a peer is lost and logged as they were when none is.
 
 The survivor then prints one line (which process was lost, the step reached, the newest
 complete checkpoint, what to do) and leaves at once with `LOST_PEER_EXIT` through `os._exit`:
@@ -36,7 +44,9 @@ constants).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import sys
 import time
@@ -87,7 +97,7 @@ def leave(line: str) -> None:
     os._exit(LOST_PEER_EXIT)
 
 
-def lost_processes(client, timeout_s: float, poll_s: float = 0.5) -> list[int]:
+def lost_processes(client, timeout_s: float, poll_s: float = 0.05) -> list[int]:
     """The processes the coordination service no longer counts alive, polled for up to
     `timeout_s` (by its heartbeat timeout it has marked a dead process); [] if none."""
     import jax
@@ -105,19 +115,58 @@ def lost_processes(client, timeout_s: float, poll_s: float = 0.5) -> list[int]:
         time.sleep(poll_s)
 
 
+class _HeldRecords(logging.Filter):
+    """Keeps the records of the logger it filters instead of letting them through."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
+@contextlib.contextmanager
+def absl_records_held():
+    """Hold absl's log records (orbax logs through absl) inside the block; log them at its end.
+    A block left by `leave` (os._exit) never logs them."""
+    logger = logging.getLogger("absl")
+    held = _HeldRecords()
+    logger.addFilter(held)
+    try:
+        yield held
+    finally:
+        logger.removeFilter(held)
+        for record in held.records:
+            logger.handle(record)
+
+
+def _jax_runtime_error(error: BaseException | None) -> bool:
+    """Whether `error` or one of its causes is JAX's runtime error (a failed collective, or a
+    failed barrier under orbax's TimeoutError)."""
+    import jax
+
+    while error is not None:
+        if isinstance(error, jax.errors.JaxRuntimeError):
+            return True
+        error = error.__cause__
+    return False
+
+
 def stop_if_peer_lost(error: BaseException) -> None:
     """After `error` in a multi-process run: when a peer is gone, say so and exit (does not
     return); else return, and the caller re-raises."""
-    import jax
     from jax._src import distributed
 
     client = distributed.global_state.client
     timeout = PROGRESS.heartbeat_timeout_s
-    if not isinstance(error, jax.errors.JaxRuntimeError) or client is None or timeout is None:
+    if not _jax_runtime_error(error) or client is None or timeout is None:
         return
-    lost = lost_processes(client, timeout + 5.0)  # + the service's own sweep interval
-    if lost:
-        leave(lost_peer_line(lost))
+    with absl_records_held():
+        lost = lost_processes(client, timeout + 5.0)  # + the service's own sweep interval
+        if lost:
+            leave(lost_peer_line(lost))
 
 
 def initialize_distributed(heartbeat_timeout_s: int, **kwargs) -> None:

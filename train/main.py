@@ -72,7 +72,8 @@ def run(args, hooks: Hooks | None = None) -> int:
     watch = PreemptionWatch(t.ckpt.manager.reached_preemption)
     try:
         return finish(t, train_loop(t, hooks or Hooks(), watch))
-    except jax.errors.JaxRuntimeError as e:  # several processes: a peer may be gone
+    except (jax.errors.JaxRuntimeError, TimeoutError) as e:  # several processes: a peer may be
+        # gone (a failed collective; orbax's TimeoutError when its commit barrier failed)
         lost_peer.stop_if_peer_lost(e)  # if so, one line and LOST_PEER_EXIT; else:
         t.ckpt.close()
         raise
