@@ -1,6 +1,6 @@
-"""Test session set-up, before JAX is imported anywhere: 8 simulated CPU devices, and one XLA
-compilation cache for every JAX process of the run; the fixtures several test files share
-(tests/shared_fixtures.py).
+"""Test session set-up, before JAX is imported anywhere: 8 simulated CPU devices (with the
+tests' compile flags, tests/xla_env.py), one XLA compilation cache for every JAX process of the
+run, and the fixtures several test files share (tests/shared_fixtures.py).
 
 The cache is a fresh directory per run (nothing carries from one run to the next), shared by
 this process and the trainer subprocesses it starts (they inherit the environment): a program
@@ -14,9 +14,9 @@ import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from xla_env import xla_flags
+
+os.environ["XLA_FLAGS"] = xla_flags(8, os.environ.get("XLA_FLAGS", ""))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="laplace-tests-xla-")

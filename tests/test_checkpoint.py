@@ -19,6 +19,7 @@ import optax
 import pytest
 from flax import traverse_util
 from shared_fixtures import START_ENV
+from xla_env import xla_flags
 
 from laplace_jax.model import abstract_params, init_params
 from laplace_jax.optim import opt_state_shardings
@@ -309,7 +310,7 @@ def test_restore_onto_four_devices_gives_the_same_parameters(tmp_path, states):
         print("OK", got["step"])
         """
     )
-    env = {**START_ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**START_ENV, "XLA_FLAGS": xla_flags(4)}
     out = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True
     )

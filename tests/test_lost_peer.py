@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from laplace_export_helpers import free_port
 from shared_fixtures import START_ENV
+from xla_env import xla_flags
 
 from train.lost_peer import LOST_PEER_EXIT
 
@@ -80,7 +81,7 @@ def _run_two(shards, run_dir, kill_after=0, killed_at=None):
     for i in range(2):
         env = {
             **START_ENV,  # two fresh commands, not children of a process that ran vLLM
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "XLA_FLAGS": xla_flags(2),
             "JAX_PLATFORMS": "cpu",
             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
             "JAX_NUM_PROCESSES": "2",

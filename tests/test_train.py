@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from shared_fixtures import START_ENV
+from xla_env import xla_flags
 
 from laplace_jax.model import LaplaceLM, abstract_params, init_params
 from laplace_jax.optim import OPTIMIZER_PRESETS, OptimizerConfig, learning_rate_schedule
@@ -116,7 +117,7 @@ def _tensorboard_scalars(run_dir):
 
 def _subprocess(args, devices=8, code=None):
     """`python -m train.main ARGS`, or `python -c CODE ARGS`."""
-    env = {**START_ENV, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = {**START_ENV, "XLA_FLAGS": xla_flags(devices)}
     command = ["-m", "train.main"] if code is None else ["-c", code]
     return subprocess.run(
         [sys.executable, *command, *args], cwd=REPO, env=env, capture_output=True, text=True
@@ -398,7 +399,7 @@ def _start(args, devices=8, env=None):
     """`python -m train.main ARGS` in the background, on `devices` CPU devices."""
     env = {
         **START_ENV,  # a fresh command: not the child of a process that ran vLLM (its LD_PRELOAD)
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": xla_flags(devices),
         **(env or {}),
     }
     return subprocess.Popen(
