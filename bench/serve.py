@@ -12,6 +12,9 @@ Measured in one run (absolute CPU numbers are not comparable to the write-up's; 
   vLLM's compile mode (the adapter's `--compile`: `compiled_over_eager_laplace_s*`,
   `over_llama_compiled_tokens_per_s_p128_s*`);
 - output tokens/s of 64 sequences with 2,048-token prompts (`over_llama_tokens_per_s_p2048_s64`);
+- the agent row: 1 and 8 sequences with an 8,192-token history (prompt) and 128 new tokens, eager
+  and compiled (`over_llama_tokens_per_s_agent8k_s{1,8}[_compiled]`): the fixed state's case at
+  low concurrency;
 - prefill: prompt tokens/s of 32 prompts of 1,024 tokens, eager and compiled
   (`over_llama_prefill_tokens_per_s`);
 - cost per output token at prompt 2,048 vs 8,192 tokens (the write-up: +0.5%), both models;
@@ -27,6 +30,9 @@ Measured in one run (absolute CPU numbers are not comparable to the write-up's; 
 - the mid-size row: a Laplace of about 300M parameters against a Llama of its width, depth and
   FFN width, 64 sequences of 1,024-token prompts and 128 new tokens, each engine's pages / KV
   cache 4 GiB (`over_llama_tokens_per_s_mid_s64`);
+- the seed row: vLLM's compile mode over eager at the mid-size width, where the layers are most
+  of a step, 1 and 8 sequences of 128-token prompts, both models
+  (`compiled_over_eager_mid_s{1,8}_{laplace,llama}`), four engines alive together;
 - state memory per sequence, measured on vLLM's state pages vs computed from the config; Llama's
   KV bytes per sequence.
 
@@ -57,7 +63,9 @@ JSON (bench/results/serve.json; serve_quick.json with --quick; --out PATH):
                                the exported config.json; torch_threads: torch's thread count
     headline                   docs/design.md s7 keys, plain numbers, medians of paired rounds:
         cost_per_token_8k_over_2k, state_bytes_per_seq_measured, state_bytes_per_seq_computed,
-        tokens_per_s_at_32 (64-token prompts), over_llama_tokens_per_s_p128_s{1,8,32,64},
+        tokens_per_s_at_32 (64-token prompts), over_llama_tokens_per_s_p128_s{1,8,32,64} and
+        the same with _compiled (both engines compiled), over_llama_tokens_per_s_agent8k_s{1,8}
+        and _compiled, compiled_over_eager_mid_s{1,8}_{laplace,llama},
         over_llama_tokens_per_s_p2048_s64, over_llama_tokens_per_s_1280_requests,
         prefix_cache_ttft_turn10_over_turn1 (turn `turns` over turn 1, with caching),
         compiled_over_eager_laplace_s{1,8}, over_llama_prefill_tokens_per_s,
@@ -71,6 +79,8 @@ JSON (bench/results/serve.json; serve_quick.json with --quick; --out PATH):
     ENGINE_throughput_p128     rows at 128-token prompts (ENGINE: also laplace_compiled,
                                llama_compiled)
     ENGINE_throughput_p2048    one row, `long_seqs` sequences
+    ENGINE_throughput_agent    rows at `agent_levels` sequences of `agent_prompt` tokens (ENGINE:
+                               every engine, both modes)
         row: {concurrency, prompt_len, new_tokens, output_tokens, median_tokens_per_s,
               samples_tokens_per_s (round by round), tokens_per_s (the best round),
               decode_tokens_per_s, max_running, preempted}
@@ -94,6 +104,8 @@ JSON (bench/results/serve.json; serve_quick.json with --quick; --out PATH):
                                 samples_ttft_s}
     mid                        {shape, parameters: {laplace, llama}, budget_bytes, laplace: row,
                                 llama: row}
+    seed                       {shape, budget_bytes, ENGINE: rows} at `seed_levels` (ENGINE:
+                               laplace, llama, and each _compiled; the mid-size models)
     memory_per_seq             rows {context, laplace_state_bytes, llama_kv_bytes_fp32}
     NAME_error                 where phase NAME failed (laplace_prefix, shared_budget, mid)
     seconds, phase_seconds     the whole run's wall time, each phase's
@@ -121,6 +133,7 @@ from bench.serving.phases import (
     phase,
     run_laplace_prefix,
     run_mid,
+    run_seed,
     run_shared_budget,
     run_side_by_side,
 )
@@ -140,7 +153,10 @@ def main(argv=None) -> int:
     out = args.out or RESULTS / ("serve_quick.json" if args.quick else "serve.json")
     conversation = sz.turn_first + (sz.turns - 1) * (sz.turn_reply + sz.turn_message)
     max_len = max(
-        max(COST_PROMPTS) + 128, sz.long_prompt + sz.long_new_tokens, conversation + sz.turn_reply
+        max(COST_PROMPTS) + 128,
+        sz.long_prompt + sz.long_new_tokens,
+        sz.agent_prompt + sz.agent_new_tokens,
+        conversation + sz.turn_reply,
     )
     results: dict = {
         "quick": args.quick,
@@ -167,6 +183,8 @@ def main(argv=None) -> int:
     phase(results, "shared_budget", run_shared_budget, lap_dir, llama_dir, cfg, sz, results)
     if sz.mid_seqs and llama_dir is not None:
         phase(results, "mid", run_mid, cfg, sz, tmp, results)
+    if sz.seed_levels and llama_dir is not None:
+        phase(results, "seed", run_seed, cfg, sz, tmp, results)
 
     kv_tok = llama_kv_bytes_per_token(cfg)
     computed = cfg.page_bytes_per_sequence()

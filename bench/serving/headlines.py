@@ -56,11 +56,31 @@ def headlines(results: dict, cfg: LaplaceConfig, sz: Sizes) -> None:
             m["laplace"]["samples_tokens_per_s"], m["llama"]["samples_tokens_per_s"]
         )
 
+    def seed(who: str, n: int) -> dict | None:  # compiled over eager, mid-size, by round
+        rows = results.get("seed", {})
+        if who not in rows:
+            return None
+        samples = {
+            mode: next(r["samples_tokens_per_s"] for r in rows[mode] if r["concurrency"] == n)
+            for mode in (who, f"{who}_compiled")
+        }
+        return paired(samples[f"{who}_compiled"], samples[who])
+
     headline_ratios = {
         "cost_per_token_8k_over_2k": cost("laplace"),
         **{
-            f"over_llama_tokens_per_s_p128_s{n}": tps("laplace", "llama", "throughput_p128", n)
+            f"over_llama_tokens_per_s_p128_s{n}{suffix}": tps(
+                "laplace" + suffix, "llama" + suffix, "throughput_p128", n
+            )
+            for suffix in ("", "_compiled")
             for n in sz.levels
+        },
+        **{  # the agent row: `agent_prompt` tokens of history (8,192 in the full run)
+            f"over_llama_tokens_per_s_agent8k_s{n}{suffix}": tps(
+                "laplace" + suffix, "llama" + suffix, "throughput_agent", n
+            )
+            for suffix in ("", "_compiled")
+            for n in sz.agent_levels
         },
         "over_llama_tokens_per_s_p2048_s64": tps(
             "laplace", "llama", "throughput_p2048", sz.long_seqs
@@ -73,6 +93,11 @@ def headlines(results: dict, cfg: LaplaceConfig, sz: Sizes) -> None:
         },
         "over_llama_prefill_tokens_per_s": prefill("laplace", "llama"),
         "over_llama_tokens_per_s_mid_s64": mid(),
+        **{  # the seed row: compile mode over eager at the mid-size width
+            f"compiled_over_eager_mid_s{n}_{who}": seed(who, n)
+            for n in sz.seed_levels
+            for who in ("laplace", "llama")
+        },
     }
     extra_ratios = {
         "model_forward_cost_per_token_8k_over_2k": cost("laplace", "model_forward_samples"),
@@ -85,12 +110,6 @@ def headlines(results: dict, cfg: LaplaceConfig, sz: Sizes) -> None:
         },
         **{
             f"compiled_over_eager_llama_s{n}": tps("llama_compiled", "llama", "throughput_p128", n)
-            for n in sz.levels
-        },
-        **{
-            f"over_llama_compiled_tokens_per_s_p128_s{n}": tps(
-                "laplace_compiled", "llama_compiled", "throughput_p128", n
-            )
             for n in sz.levels
         },
         "over_llama_compiled_prefill_tokens_per_s": prefill("laplace_compiled", "llama_compiled"),

@@ -78,6 +78,12 @@ def run_side_by_side(lap_dir, llama_dir, cfg: LaplaceConfig, sz: Sizes, max_len,
             eager, vocab, (sz.long_seqs,), sz.long_prompt, sz.long_new_tokens, sz.rounds
         ),
     )
+    store(  # the agent row: a long history at low concurrency, every engine (both modes)
+        "throughput_agent",
+        interleaved_throughput(
+            engines, vocab, sz.agent_levels, sz.agent_prompt, sz.agent_new_tokens, sz.rounds
+        ),
+    )
     store("prefill", interleaved_prefill(engines, vocab, 32, sz.budget_prompt, sz.rounds))
     costs = interleaved_cost(
         eager, vocab, COST_PROMPTS, sz.cost_seqs, sz.cost_tokens, sz.cost_repeats
@@ -180,18 +186,26 @@ def run_shared_budget(lap_dir, llama_dir, cfg: LaplaceConfig, sz: Sizes, results
         sb["llama"] = shared_budget_run(llama_dir, cfg.vocab_size, sz, seqs)
 
 
+def mid_models(cfg: LaplaceConfig, sz: Sizes, tmp: Path) -> dict[str, Path]:
+    """The mid-size Laplace and Llama (`MID_SHAPE`, random weights), exported once into `tmp`
+    for the mid-size and seed rows; served up to `mid_prompt + mid_new_tokens` tokens."""
+    from bench.serving.models import export_laplace, make_llama
+
+    mid, max_len = cfg.replace(**MID_SHAPE), sz.mid_prompt + sz.mid_new_tokens
+    dirs = {"laplace": tmp / "laplace_mid", "llama": tmp / "llama_mid"}
+    if not (dirs["laplace"] / "config.json").exists():
+        export_laplace(mid, dirs["laplace"], max_len)
+    if not (dirs["llama"] / "config.json").exists():
+        make_llama(dirs["llama"], mid, max_len)
+    return dirs
+
+
 def run_mid(cfg: LaplaceConfig, sz: Sizes, tmp: Path, results: dict) -> None:
     """The mid-size row: Laplace and Llama of about 300M parameters (`MID_SHAPE`, random
     weights), `mid_seqs` sequences of `mid_prompt` tokens and `mid_new_tokens` new ones, each
     engine's pages / KV cache `mid_budget_bytes`; both alive, measured in alternating rounds."""
-    from bench.serving.models import export_laplace, make_llama
-
-    mid = cfg.replace(**MID_SHAPE)
     max_len = sz.mid_prompt + sz.mid_new_tokens
-    dirs = {
-        "laplace": export_laplace(mid, tmp / "laplace_mid", max_len),
-        "llama": make_llama(tmp / "llama_mid", mid, max_len),
-    }
+    dirs = mid_models(cfg, sz, tmp)
     print(f"mid-size row: {MID_SHAPE}", flush=True)
     engines = {
         who: make_budget_llm(d, max_len, sz.mid_seqs, sz.mid_budget_bytes)
@@ -205,6 +219,32 @@ def run_mid(cfg: LaplaceConfig, sz: Sizes, tmp: Path, results: dict) -> None:
         "parameters": {who: _parameters(d) for who, d in dirs.items()},
         "budget_bytes": sz.mid_budget_bytes,
         **{who: rows[who][0] for who in engines},
+    }
+    del engines
+    gc.collect()
+
+
+def run_seed(cfg: LaplaceConfig, sz: Sizes, tmp: Path, results: dict) -> None:
+    """The seed row: vLLM's compile mode over eager at the mid-size width (22 layers of 1,024,
+    where the layers are most of a step), `seed_levels` sequences of `seed_prompt` tokens and
+    `seed_new_tokens` new ones; Laplace and Llama, eager and compiled, the four engines alive
+    together (`seed_budget_bytes` of pages / KV each), measured in alternating rounds."""
+    max_len = sz.mid_prompt + sz.mid_new_tokens
+    dirs = mid_models(cfg, sz, tmp)
+    print(f"seed row: mid-size, compiled over eager, {sz.seed_levels} sequences", flush=True)
+    engines = {
+        who + ("_compiled" if compile_mode else ""): make_budget_llm(
+            d, max_len, max(sz.seed_levels), sz.seed_budget_bytes, compile=compile_mode
+        )
+        for compile_mode in (False, True)
+        for who, d in dirs.items()
+    }
+    results["seed"] = {
+        "shape": MID_SHAPE,
+        "budget_bytes": sz.seed_budget_bytes,
+        **interleaved_throughput(
+            engines, cfg.vocab_size, sz.seed_levels, sz.seed_prompt, sz.seed_new_tokens, sz.rounds
+        ),
     }
     del engines
     gc.collect()

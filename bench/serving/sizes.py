@@ -31,6 +31,9 @@ class Sizes:
     long_seqs: int = 64  # sequences with `long_prompt`-token prompts
     long_prompt: int = 2048
     long_new_tokens: int = 128
+    agent_levels: tuple[int, ...] = (1, 8)  # the agent row: sequences with a long history
+    agent_prompt: int = 8192  # the history (prompt) of each, then `agent_new_tokens` new ones
+    agent_new_tokens: int = 128
     rounds: int = 5  # alternating rounds of every throughput and prefill figure (median)
     cost_tokens: int = 24  # decode steps per timed window (cost per output token)
     cost_seqs: int = 4
@@ -52,6 +55,10 @@ class Sizes:
     mid_new_tokens: int = 128
     mid_budget_bytes: int = 4 * 2**30  # state pages / KV cache of each mid-size engine
     mid_rounds: int = 2  # alternating rounds of the mid-size row (each ~4 minutes an engine)
+    seed_levels: tuple[int, ...] = (1, 8)  # the seed row: mid-size, compiled over eager
+    seed_prompt: int = 128
+    seed_new_tokens: int = 128
+    seed_budget_bytes: int = 2**30  # state pages / KV cache of each of its four engines
     profile_layers: tuple[int, ...] = (2, 4, 8)  # --profile: depths of the decode-step fit
     profile_seqs: tuple[int, ...] = (1, 8)  # --profile: sequences decoding at once
     profile_rounds: int = 7  # --profile: alternating rounds of timed windows per depth
@@ -65,6 +72,8 @@ QUICK = dataclasses.replace(
     new_tokens=16,
     p128_new_tokens=32,
     long_new_tokens=16,
+    agent_prompt=1024,
+    agent_new_tokens=16,
     rounds=2,
     cost_tokens=8,
     cost_seqs=2,
@@ -81,6 +90,7 @@ QUICK = dataclasses.replace(
     mid_prompt=256,
     mid_new_tokens=16,
     mid_rounds=1,
+    seed_new_tokens=16,
 )
 
 
