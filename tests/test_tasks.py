@@ -3,6 +3,8 @@ masked FSDP loss against the plain model's masked mean; `train.main --task` lear
 resuming on the same batches."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -10,13 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from shared_fixtures import REPO, START_ENV
 
 from laplace_jax.fsdp import make_loss_and_grad
 from laplace_jax.model import LaplaceLM, init_params
 from laplace_jax.sharding import logical_sharding, make_mesh, param_shardings, param_specs
 from laplace_spec.config import get_config
 from train import eval as train_eval
-from train import main as train_main
 from train import tasks
 from train.step import EVAL_BATCH_AXES
 from train.tasks import TaskError, mqar, passkey
@@ -273,6 +275,17 @@ def _metrics(run_dir):
     return [json.loads(x) for x in lines if x]
 
 
+def _train(args) -> int:
+    """`python -m train.main ARGS` on one CPU device at XLA's default optimisation: this run is
+    200 steps long, and the tests' compile flags (tests/xla_env.py) make it twice as slow."""
+    env = {**START_ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "train.main", *args], cwd=REPO, env=env, capture_output=True
+    )
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return done.returncode
+
+
 def _task_args(run_dir, steps, *extra):
     """MQAR (64, 4) over a 32-token task vocabulary (15 keys, 16 values: chance is 1/16) on the
     tiny preset widened to d_model 128, 200 steps of 32 sequences (measured: 95% accuracy; 91%
@@ -306,7 +319,7 @@ def test_tiny_model_learns_mqar_and_resumes_on_the_same_batches(tmp_path):
     fresh sequences is far above chance (1/16); a run stopped at a checkpoint and resumed logs
     the same losses as one run straight through."""
     run = tmp_path / "run"
-    assert train_main.main(_task_args(run, 200, "ckpt_every=200")) == 0
+    assert _train(_task_args(run, 200, "ckpt_every=200")) == 0
     m = _metrics(run)
     losses = [r["loss"] for r in m]
     assert abs(losses[0] - np.log(TINY.vocab_size)) < 0.5
@@ -321,8 +334,8 @@ def test_tiny_model_learns_mqar_and_resumes_on_the_same_batches(tmp_path):
     assert cell["accuracy"] > 8 / 16, cell  # 8x chance; measured: 95.1%
 
     part = tmp_path / "part"
-    assert train_main.main(_task_args(part, 4, "ckpt_every=4")) == 0
-    assert train_main.main(_task_args(part, 6, "ckpt_every=4")) == 0
+    assert _train(_task_args(part, 4, "ckpt_every=4")) == 0
+    assert _train(_task_args(part, 6, "ckpt_every=4")) == 0
     got = {r["step"]: r["loss"] for r in _metrics(part)}
     assert {4, 5, 6} <= set(got)
     straight = {r["step"]: r["loss"] for r in m}

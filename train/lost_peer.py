@@ -93,7 +93,10 @@ def leave(line: str) -> None:
     """Print `line` and exit with LOST_PEER_EXIT now, without JAX's or orbax's shutdown (they
     would wait for the lost process)."""
     sys.stdout.flush()
-    print(f"\n{line}", file=sys.stderr, flush=True)
+    sys.stderr.flush()
+    # one write of the whole line: the runtime's C++ threads log to the same stream meanwhile,
+    # and a line printed in pieces can take one of theirs in its middle
+    os.write(sys.stderr.fileno(), f"\n{line}\n".encode())
     os._exit(LOST_PEER_EXIT)
 
 
