@@ -7,12 +7,15 @@ model at 32,768 tokens per sequence (16 sequences, `--mesh fsdp=16,context=4`), 
 sequences, `fsdp=4,context=16`) and 1,048,576 (one sequence per step, `fsdp=1,context=64`), each
 step one micro-batch. Every program the trainer puts on the devices is compiled with abstract
 inputs (`train.plan.make_plan`); nothing of 3B size is allocated and nothing runs on Trainium.
-Prints each plan's table and writes bench/results/plan.json: the recipe's plan, and a row per long
-sequence (peak memory, collectives by kind against their ideals, census, modelled step time and
-cost per token against the recipe's). The hybrid (s13, `attention_every=4`: one softmax-attention
-layer in four) is compiled at the recipe's length and layout and at the 32k and 128k rows' (`hybrid`
-in the JSON): its peak memory, census and modelled cost per token against pure Laplace's at the
-same length, sequences, mesh and micro-batches (attention's quadratic FLOPs counted).
+Prints each plan's table and writes bench/results/plan.json: the recipe's plan, the recipe in one
+micro-step (micro batch 256: the same tokens a step, laid out as the long rows are), and a row per
+long sequence (peak memory, collectives by kind against their ideals, exchanges per step by kind,
+census, modelled step time and cost per token against the recipe as run and against the recipe
+at the same number of micro-steps: `headline_notes` says what each key compares). The hybrid
+(s13, `attention_every=4`: one softmax-attention layer in four) is compiled at the recipe's
+length and layout and at the 32k and 128k rows' (`hybrid` in the JSON): its peak memory, census
+and modelled cost per token against pure Laplace's at the same length, sequences, mesh and
+micro-batches (attention's quadratic FLOPs counted).
 """
 
 from __future__ import annotations
@@ -60,12 +63,11 @@ def hybrid_row(plan: dict, laplace: dict) -> dict:
     }
 
 
-def long_context_row(plan: dict, recipe: dict, context: int) -> dict:
-    """One long-sequence plan, summarised beside the recipe's."""
+def long_context_row(plan: dict, recipe: dict, recipe_same: dict, context: int) -> dict:
+    """One long-sequence plan, summarised beside the recipe as run (`recipe`: 4 micro-steps) and
+    the recipe at the same number of micro-steps (`recipe_same`: one, the same tokens a step)."""
     step = plan["programs"]["train_step"]
     h, b = plan["headline"], plan["batch"]
-    cost = plan["modelled_trn2"]["step_s"] / b["tokens"]
-    recipe_cost = recipe["modelled_trn2"]["step_s"] / recipe["batch"]["tokens"]
     return {
         "seq_len": plan["config"]["model"]["seq_len"],
         "context": context,
@@ -73,15 +75,34 @@ def long_context_row(plan: dict, recipe: dict, context: int) -> dict:
         "batch": b,
         "train_step_memory": step["memory"],
         "collectives": step["collectives"],
+        "context_exchanges": step["context_exchanges"],
         "ideal": plan["fsdp_ideal_bytes_received"],
         "collective_bytes_over_ideal": h["collective_bytes_over_fsdp_ideal"],
         "context_exchange_over_ideal": h["context_exchange_over_ideal"],
         "neuron_census_violations": h["neuron_census_violations"],
         "modelled_trn2": plan["modelled_trn2"],
-        "modelled_cost_per_token_s": cost,
-        "cost_per_token_over_2k": cost / recipe_cost,
+        "modelled_cost_per_token_s": cost_per_token(plan),
+        "cost_per_token_over_2k": cost_per_token(plan) / cost_per_token(recipe),
+        "cost_per_token_over_2k_same_micro_steps": cost_per_token(plan)
+        / cost_per_token(recipe_same),
         "compile_s": {name: p["compile_s"] for name, p in plan["programs"].items()},
     }
+
+
+NOTES = {
+    "cost_per_token_{row}_over_2k": "the row's modelled cost per token over the recipe as run "
+    "(4 accumulation micro-steps of 64 sequences, each micro-step gathering and "
+    "reduce-scattering the weights once): the long rows run one micro-step, so this ratio "
+    "counts the recipe's three extra weight exchanges against it",
+    "cost_per_token_{row}_over_2k_same_micro_steps": "like for like: the row's modelled cost per "
+    "token over the recipe at the same number of micro-steps (one: micro_batch_size=256, the "
+    "same 524,288 tokens a step)",
+    "context_exchange_over_ideal_{row}": "bytes the compiled step's context exchange receives "
+    "per device (GLA states, conv windows and decays) over the ideal of the S - 1 other slices' "
+    "GLA states per layer and sequence, forward and backward",
+    "context_exchanges_per_step_{kind}": "collectives of each exchange kind the compiled step "
+    "runs (forward and backward; the 32k row's): state and conv per layer, decay once per step",
+}
 
 
 def main(argv=None) -> int:
@@ -104,70 +125,71 @@ def main(argv=None) -> int:
     from train import config as train_config
     from train.plan import make_plan, with_launch_settings
 
-    # micro batch 64: 4 accumulation steps; GPT-2's end-of-text id: packed documents reset;
-    # the Neuron launcher's settings (the unrolled chunk scan, host init) unless overridden
-    recipe = with_launch_settings(["micro_batch_size=64", "eot_id=50256", *args.overrides])
-    cfg = train_config.resolve("laplace-3b", recipe, {})
-    plan = make_plan(cfg, make_mesh(args.devices))
-    print_table(plan)
-    headline = plan.pop("headline")
+    def compile_row(label, overrides, context=1, step_tokens=None) -> tuple[dict, str]:
+        """The plan of laplace-3b with `overrides` (the Neuron launcher's settings added) on
+        `context` x (devices / context), printed, and the `train.plan` command that makes it."""
+        overrides = with_launch_settings(overrides)
+        mesh = f"fsdp={args.devices // context}" + (f",context={context}" if context > 1 else "")
+        batch = f"--global-batch-tokens {step_tokens} " if step_tokens else ""
+        command = (
+            f"python -m train.plan --config laplace-3b --devices {args.devices} --mesh {mesh} "
+            f"{batch}{' '.join(overrides)}"
+        )
+        print(f"\n{label}: {command}")
+        given = {"global_batch_tokens": step_tokens} if step_tokens else {}
+        cfg = train_config.resolve("laplace-3b", overrides, given)
+        plan = make_plan(cfg, make_mesh(args.devices, context=context))
+        print_table(plan)
+        return plan, command
 
-    rows, commands, long_plans, long_overrides = {}, {}, {}, {}
+    # micro batch 64: 4 accumulation steps; GPT-2's end-of-text id: packed documents reset
+    recipe = ["micro_batch_size=64", "eot_id=50256", *args.overrides]
+    plan, _ = compile_row("the recipe", recipe)
+    headline = plan.pop("headline")
+    recipe_plan = {**plan, "headline": headline}
+    # the same tokens a step in one micro-step: the long rows' layout, for like-for-like costs
+    same, same_command = compile_row(
+        "the recipe in one micro-step", ["micro_batch_size=256", *recipe[1:]]
+    )
+
+    rows, long_plans, long_overrides = {}, {}, {}
     wanted = [r for r in args.rows.split(",") if r]
     for name, seq_len, context, step_tokens in LONG_CONTEXT:
         if name not in wanted:
             continue
-        overrides = with_launch_settings(
-            [
-                f"seq_len={seq_len}",
-                f"micro_batch_size={step_tokens // seq_len}",  # one micro-batch per step
-                "eot_id=50256",
-                *args.overrides,
-            ]
-        )
-        mesh = f"fsdp={args.devices // context},context={context}"
-        commands[name] = (
-            f"python -m train.plan --config laplace-3b --devices {args.devices} --mesh {mesh} "
-            f"--global-batch-tokens {step_tokens} {' '.join(overrides)}"
-        )
-        long_cfg = train_config.resolve(
-            "laplace-3b", overrides, {"global_batch_tokens": step_tokens}
-        )
-        print(f"\n{name}: {commands[name]}")
-        long_plan = make_plan(long_cfg, make_mesh(args.devices, context=context), plan["hbm_gib"])
-        print_table(long_plan)
+        overrides = [
+            f"seq_len={seq_len}",
+            f"micro_batch_size={step_tokens // seq_len}",  # one micro-batch per step
+            "eot_id=50256",
+            *args.overrides,
+        ]
+        long_plan, command = compile_row(name, overrides, context, step_tokens)
         long_plans[name], long_overrides[name] = long_plan, overrides
-        rows[name] = long_context_row(long_plan, {**plan, "headline": headline}, context)
-        rows[name]["command"] = commands[name]
+        rows[name] = long_context_row(long_plan, recipe_plan, same, context)
+        rows[name]["command"] = command
         headline[f"train_step_gib_per_device_{name}"] = round(
             rows[name]["train_step_memory"]["peak"] / 1024**3, 3
         )
         headline[f"context_exchange_over_ideal_{name}"] = rows[name]["context_exchange_over_ideal"]
-    if "1m" in rows:
-        headline["cost_per_token_1m_over_2k"] = round(rows["1m"]["cost_per_token_over_2k"], 4)
+        for over in ("over_2k", "over_2k_same_micro_steps"):
+            headline[f"cost_per_token_{name}_{over}"] = round(
+                rows[name][f"cost_per_token_{over}"], 4
+            )
+    if rows:
+        first = rows[next(iter(rows))]
+        for kind, count in first["context_exchanges"].items():
+            headline[f"context_exchanges_per_step_{kind}"] = count
 
     hybrid = {}
     for name, seq_len, context, step_tokens in HYBRID if args.hybrid else ():
         if seq_len == 2_048:  # the recipe's layout (4 micro-batches of 64)
-            overrides, laplace = [*recipe, f"attention_every={HYBRID_EVERY}"], plan
-            global_batch = {}
+            overrides, laplace, given = recipe, recipe_plan, None
         elif name in long_plans:
-            overrides = [*long_overrides[name], f"attention_every={HYBRID_EVERY}"]
-            laplace, global_batch = long_plans[name], {"global_batch_tokens": step_tokens}
+            overrides, laplace, given = long_overrides[name], long_plans[name], step_tokens
         else:
             continue  # its pure-Laplace row was not compiled (--rows)
-        mesh = f"fsdp={args.devices // context}" + (f",context={context}" if context > 1 else "")
-        command = (
-            f"python -m train.plan --config laplace-3b --devices {args.devices} --mesh {mesh} "
-            + (f"--global-batch-tokens {step_tokens} " if global_batch else "")
-            + " ".join(overrides)
-        )
-        print(f"\nhybrid {name}: {command}")
-        hybrid_cfg = train_config.resolve("laplace-3b", overrides, global_batch)
-        hybrid_plan = make_plan(
-            hybrid_cfg, make_mesh(args.devices, context=context), plan["hbm_gib"]
-        )
-        print_table(hybrid_plan)
+        overrides = [*overrides, f"attention_every={HYBRID_EVERY}"]
+        hybrid_plan, command = compile_row(f"hybrid {name}", overrides, context, given)
         hybrid[name] = {**hybrid_row(hybrid_plan, laplace), "command": command}
         key = f"hybrid{HYBRID_EVERY}_{name}"
         headline[f"train_step_gib_per_device_{key}"] = round(
@@ -178,7 +200,21 @@ def main(argv=None) -> int:
         )
     print(
         write_result(
-            "plan", headline, recipe_overrides=recipe, long_context=rows, hybrid=hybrid, **plan
+            "plan",
+            headline,
+            recipe_overrides=with_launch_settings(recipe),
+            recipe_one_micro_step={
+                "command": same_command,
+                "batch": same["batch"],
+                "train_step_memory": same["programs"]["train_step"]["memory"],
+                "collectives": same["programs"]["train_step"]["collectives"],
+                "modelled_trn2": same["modelled_trn2"],
+                "modelled_cost_per_token_s": cost_per_token(same),
+            },
+            long_context=rows,
+            hybrid=hybrid,
+            headline_notes=NOTES,
+            **plan,
         )
     )
     return 0

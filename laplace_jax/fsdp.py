@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 from jax.sharding import Mesh, PartitionSpec
 
-from laplace_jax.context_parallel import CONTEXT_STATE
+from laplace_jax.context_parallel import CONTEXT_STATE, CONTEXT_WINDOW, slice_decays
 from laplace_jax.loss import next_token_slice, token_losses, token_scores
 from laplace_jax.model import DecoderLayer, LaplaceLM
 from laplace_jax.sharding import CONTEXT, logical_to_spec
@@ -59,9 +59,9 @@ f32 = jnp.float32
 # What the backward of a decoder layer keeps from its forward (`remat`): "none" keeps every
 # activation (and the gathered weights); "layer" keeps each layer's input only and recomputes the
 # layer, weights gathered again; "dots" keeps the matmul outputs too (less recompute, more memory).
-# Both keep the state a context-parallel layer received (CONTEXT_STATE, [b, H, dk, dv] per layer),
-# so the recomputed forward makes no second exchange.
-_keep_exchange = jax.checkpoint_policies.save_only_these_names(CONTEXT_STATE)
+# Both keep what a context-parallel layer received (CONTEXT_STATE, [b, H, dk, dv], and the conv
+# window CONTEXT_WINDOW, [b, W, D], per layer), so the recomputed forward makes no second exchange.
+_keep_exchange = jax.checkpoint_policies.save_only_these_names(CONTEXT_STATE, CONTEXT_WINDOW)
 REMAT_POLICIES = {
     "none": None,
     "layer": _keep_exchange,
@@ -159,7 +159,7 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
     if k > 1:
         last = DecoderLayer(cfg, model.unroll, axis, cfg.layer_mixers[k - 1])
 
-    def layer(decoder_layer, x, shards, reset=None):  # x: [b, T, D]; one layer's shards
+    def layer(decoder_layer, x, shards, reset=None, decays=None):  # x: [b, T, D]; its shards
         weights = {p: gather_weight(shards[p], *layer_args[p]) for p in layer_args}
         b = x.shape[0]
         state = {
@@ -168,6 +168,8 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
         }
         layer_params = traverse_util.unflatten_dict(weights, sep="/")
         kw = {} if reset is None else {"reset": reset}
+        if decays is not None:
+            kw["decays"] = decays
         x, _ = decoder_layer.apply({"params": layer_params}, x, state, **kw)
         return x
 
@@ -178,12 +180,12 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
     first_layer = checkpointed(functools.partial(layer, first))
     last_layer = None if last is None else checkpointed(functools.partial(layer, last))
 
-    def block(x, block_shards, reset):  # one block's shards: [k, ...] per path ([...] if k = 1)
+    def block(x, block_shards, reset, decays):  # block shards: [k, ...] per path ([...] if k = 1)
         if k == 1:
-            return first_layer(x, block_shards, reset), None
+            return first_layer(x, block_shards, reset, decays), None
         gla = {p: a[: k - 1] for p, a in block_shards.items()}  # [k - 1, ...]
-        x, _ = jax.lax.scan(lambda x, s: (first_layer(x, s, reset), None), x, gla)
-        return last_layer(x, {p: a[k - 1] for p, a in block_shards.items()}, reset), None
+        x, _ = jax.lax.scan(lambda x, s: (first_layer(x, s, reset, decays), None), x, gla)
+        return last_layer(x, {p: a[k - 1] for p, a in block_shards.items()}, reset, decays), None
 
     def forward(shards, tokens, outputs):
         # shards: this device's {path: shard}; tokens: its sequences' windows [b, T + 1]
@@ -195,7 +197,11 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
             stacked = {p: a.reshape(L // k, k, *a.shape[1:]) for p, a in stacked.items()}
 
         def layers(x, reset):  # the decoder layers: a scan over the blocks' shards, [b, T, D]
-            x, _ = jax.lax.scan(lambda x, s: block(x, s, reset), x, stacked)
+            decays = None  # on a context axis: once per step, for every GLA layer
+            if axis is not None and "gla" in cfg.layer_mixers:
+                log_decay = jnp.asarray(cfg.log_decay(), f32)  # [H], the same in every layer
+                decays = slice_decays(log_decay, axis, *x.shape[:2], reset)
+            x, _ = jax.lax.scan(lambda x, s: block(x, s, reset, decays), x, stacked)
             return x
 
         top = {p: gather_weight(shards[p], *gather_args(p)) for p in TOP_LEVEL}

@@ -269,6 +269,15 @@ def collective_bytes(
     return out
 
 
+def collective_executions(colls: list[dict], scopes: dict) -> dict:
+    """{name: how many collectives run per program run} of those traced under each name scope of
+    `scopes` {name: scope} (autodiff transposes included; loops counted by their trip count)."""
+    return {
+        name: sum(c["executions"] for c in colls if scope in c["op_name"])
+        for name, scope in scopes.items()
+    }
+
+
 def neuron_census(hlo: str) -> dict:
     """Counts of what the Neuron plugin does not support (docs/design.md s1), from optimised HLO."""
     comps, _ = computations(hlo)

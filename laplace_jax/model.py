@@ -157,9 +157,10 @@ class DecoderLayer(nn.Module):
     mixer: str | None = None
 
     @nn.compact
-    def __call__(self, x, state, decode: bool = False, reset=None):
+    def __call__(self, x, state, decode: bool = False, reset=None, decays=None):
         # x: [B, T, D]; state: {"gla": [B, H, dk, dv], "conv": [B, W, D]}; decode: T == 1 step;
-        # reset: [B, T] bool or None, document starts (GLA state and conv window zeroed before)
+        # reset: [B, T] bool or None, document starts (GLA state and conv window zeroed before);
+        # decays: on a context axis, the step's `slice_decays` (made here when None)
         cfg = self.config
         B, T, D = x.shape
         H, dk, dv, F = cfg.n_heads, cfg.d_k, cfg.d_v, cfg.ffn_dim
@@ -216,6 +217,7 @@ class DecoderLayer(nn.Module):
                 scale=cfg.qk_scale,
                 unroll=self.unroll,
                 reset=reset,
+                decays=decays,
             )  # [B, T, H, dv]
         else:
             o, gla_state = gla_chunked(

@@ -3,7 +3,8 @@
 Sequences split over a `context` mesh axis of 2, 4 and 8 simulated devices give the outputs,
 final state and gradients of `gla_recurrent` over the whole sequence (fp32: 1e-5 of the largest
 entry), with documents crossing slice boundaries, a document starting exactly at a slice's first
-token, back-to-back one-token documents, padding, and slices of one chunk.
+token, back-to-back one-token documents, padding (inside a sequence, at a slice's end and at the
+sequence's end), and slices of one chunk.
 """
 
 import functools
@@ -30,13 +31,15 @@ def inputs(T, seed=0):
 
 def masks(T, L):
     """Document starts: one crossing a slice boundary, one exactly at slice 1's first token,
-    back-to-back one-token documents; padding at the end of sequence 1."""
+    back-to-back one-token documents; padding at the end of sequence 1, and inside sequence 0
+    (its second token, and slice 0's last token: a slice ending on padding)."""
     reset = np.zeros((B, T), bool)
     reset[0, L + L // 2 + 1] = True  # inside slice 1: the document runs on into slice 2
     reset[1, L] = True  # exactly at slice 1's first token
     reset[1, T - 3 : T - 1] = True  # one-token documents
     valid = np.ones((B, T), bool)
     valid[1, T - 2 :] = False  # padding (a reset on a padded token still zeroes)
+    valid[0, [1, L - 1]] = False  # padding inside a sequence, at a slice's end too
     return jnp.asarray(reset), jnp.asarray(valid)
 
 

@@ -135,3 +135,67 @@ def test_stdlib_corpus_is_tens_of_megabytes():
     files = stdlib_files()
     assert len(files) > 500
     assert sum(os.path.getsize(f) for f in files) > 10e6
+
+
+def test_prepare_keeps_long_documents_and_reports_their_lengths(tmp_path):
+    """`--min-doc-tokens`: a document shorter than N tokens (its end-of-text not counted) is
+    dropped; meta.json's length summary is that of the documents in the shards."""
+    from tokenizers import Tokenizer
+
+    from train.doc_context import length_summary
+
+    docs = [" ".join(f"w{j % 7}" for j in range(n)) for n in (3, 40, 5, 120, 60, 2, 90, 200)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    out = tmp_path / "out"
+    meta = prepare(
+        [str(tmp_path / "d.jsonl")], out, vocab_size=320, val_every=0, progress=False,
+        min_doc_tokens=30,
+    )  # fmt: skip
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    sizes = [len(tok.encode(d).ids) for d in docs]
+    assert meta["dropped_docs"] == sum(n < 30 for n in sizes) > 0
+    stream = np.concatenate([data.load_tokens(p) for p in sorted(out.glob("train_*.bin"))])
+    kept = [len(p) - 1 for p in np.split(stream, np.where(stream == meta["eot_id"])[0])[1:]]
+    assert kept == [n for n in sizes if n >= 30]
+    assert meta["doc_tokens"]["train"] == length_summary(kept)
+    assert meta["doc_tokens"]["train"]["max"] == max(kept)
+    with pytest.raises(ValueError, match="min_doc_tokens"):
+        prepare([str(tmp_path / "d.jsonl")], tmp_path / "x", vocab_size=320, min_doc_tokens=-1)
+
+
+def test_same_document_context_counts_the_tokens_since_the_last_reset():
+    """Against a plain loop: the state is zeroed at the token after each end-of-text."""
+    from train.doc_context import same_document_context
+
+    rng = np.random.default_rng(0)
+    window = rng.integers(0, 6, 301)  # end-of-text id 0, often back to back
+    got = same_document_context(window, 0)
+    want, n = [], 0
+    for t in range(300):
+        n = 1 if t > 0 and window[t - 1] == 0 else n + 1
+        want.append(n)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(same_document_context(window, None), np.arange(1, 301))
+
+
+def test_context_shares_and_the_short_document_warning(tmp_path):
+    """Documents of 600, 1,500 and 20,000 tokens in windows of 4,096: the share of targets with
+    >= 1k tokens of same-document context equals the count over every window (all sampled); with
+    a context axis of 4 (slices of 1,024) the 600-token documents warn (no target has a slice's
+    length of context), the others do not (32% and most)."""
+    from train import doc_context
+
+    eot = 1
+    for doc_len, warns in ((600, True), (1500, False), (20_000, False)):
+        doc = np.concatenate([[eot], np.full(doc_len, 5)])
+        data.write_shard(tmp_path / f"d{doc_len}.bin", np.tile(doc, 4 * 4097 // doc.size + 2))
+        src = data.TokenWindows([str(tmp_path / f"d{doc_len}.bin")], 4096)
+        assert len(src) <= 64  # every window is sampled
+        shares = doc_context.context_shares(src, eot, context=4)
+        ctx = np.concatenate(
+            [doc_context.same_document_context(src[i], eot) for i in range(len(src))]
+        )
+        assert shares["share_ge_1k"] == round(float((ctx >= 1024).mean()), 4)
+        assert shares["share_ge_8k"] == 0.0  # no window holds 8k tokens of a document
+        warning = doc_context.short_documents_warning(shares)
+        assert (warning is not None) == warns, (doc_len, shares)

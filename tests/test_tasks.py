@@ -122,6 +122,24 @@ def test_passkey_small_case_has_the_exact_layout():
     assert np.flatnonzero(mask[0]).tolist() == [12, 13, 14]  # targets: the three answer digits
 
 
+def test_passkey_with_several_queries_has_the_exact_layout():
+    """queries=3 over T = 30: segments ending at 10, 20, 30, each ending with QUERY d1 d2; the
+    needle in the first segment at round(1.0 * (10 - 5)) = 5, right before its query."""
+    T, n = 30, 2
+    tokens, mask = passkey(2, T, 1.0, 20, seed=4, num_digits=n, queries=3)
+    for row, m in zip(tokens, mask, strict=True):
+        assert row[5] == tasks.PASSKEY_KEY and (row == tasks.PASSKEY_KEY).sum() == 1
+        digits = row[6:8]
+        for e in (10, 20, 30):
+            assert row[e - n] == tasks.PASSKEY_QUERY
+            np.testing.assert_array_equal(row[e - n + 1 : e + 1], digits)
+        assert np.flatnonzero(m).tolist() == [8, 9, 18, 19, 28, 29]
+    one, _ = passkey(2, T, 1.0, 20, seed=4, num_digits=n)  # queries=1: the one-query layout
+    assert one[0, T - n] == tasks.PASSKEY_QUERY and (one[0] == tasks.PASSKEY_QUERY).sum() == 1
+    with pytest.raises(TaskError, match="queries"):
+        passkey(1, T, 0.5, 20, seed=0, num_digits=n, queries=7)  # segments of 4 < 2n + 1
+
+
 @pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 1.0])
 def test_passkey_depth_places_the_needle(depth):
     T, n = 1024, 5

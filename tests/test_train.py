@@ -492,7 +492,8 @@ def test_layout_mismatch_stops_the_run_without_touching_it(shards, tmp_path, cap
 
 
 def test_startup_notices_say_what_was_chosen(shards, tmp_path, capsys):
-    """A JSON model config, a schedule fitted to the run, and parameters that cannot be split
+    """A JSON model config, a schedule fitted to the run, the windows' context (no end-of-text
+    id: no resets, so a target's context is its position), and parameters that cannot be split
     over a 3-device mesh: one line each."""
     model_file = tmp_path / "model.json"
     model_file.write_text(CFG.to_json())
@@ -511,18 +512,23 @@ def test_startup_notices_say_what_was_chosen(shards, tmp_path, capsys):
         f"preset {small.total_steps}), warmup_steps=1 (a tenth of the run; preset "
         f"{small.warmup_steps}); set total_steps=N / warmup_steps=N to choose"
     )
+    assert notes[2] == (
+        "note: context (no resets) of the scored tokens at seq_len 64 (64 sampled windows): "
+        ">= 1k tokens 0.0%, >= 8k tokens 0.0%, >= 64k tokens 0.0%; median 32 tokens"
+    )  # the median of 1 .. 64 is 32.5, printed without decimals
     # every matrix with an fsdp axis: the embedding, the LM head and each layer's conv, qkvg, out,
     # w12, w3 kernels (no size among 64, 128, 192, 256, 320 divides by 3)
-    assert notes[2].startswith(
+    assert notes[3].startswith(
         "note: 12 parameters are replicated, not sharded: their fsdp axis does not divide by "
         "fsdp=3 (Muon orthogonalises each whole on every device): "
         "embed/embedding [320, 64]: [320, 64] on fsdp=3; layer_0/conv/kernel [64, 4]: [64] on "
     )
-    assert notes[2].endswith("; and 8 more")
-    assert len(notes) == 3
+    assert notes[3].endswith("; and 8 more")
+    assert len(notes) == 4
     config = json.loads((run / "config.json").read_text())
     assert config["optimizer"]["lr"] == OPTIMIZER_PRESETS["small"].lr
     assert config["train"]["log_every"] == train_config.TRAIN_PRESETS["small"].log_every
+    assert config["data"]["context_shares"]["share_ge_1k"] == 0.0
 
 
 def test_explicit_settings_get_no_notice():

@@ -467,7 +467,7 @@ def task_settings(task: str, args, cfg: LaplaceConfig, run_cfg: dict) -> dict:
         power_a = args.power_a if args.power_a is not None else trained.get("power_a", 0.01)
         return {"vocab_size": vocab, "power_a": power_a}
     digits = args.num_digits or trained.get("num_digits", 5)
-    return {"vocab_size": vocab, "num_digits": digits}
+    return {"vocab_size": vocab, "num_digits": digits, "queries": trained.get("queries", 1)}
 
 
 def evaluate(args, say=print) -> tuple[dict, Path]:

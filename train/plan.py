@@ -24,9 +24,13 @@ for the forward and again for the rematerialised backward, gradients reduce-scat
 all-reduce of each fp32 gradient shard across `data` once per step, plus Muon's two all_to_alls
 once per step; all counted as bytes received). With a context axis (docs/design.md s11) the
 slices' exchange is reported as its own collective kind, `context-exchange` (the collectives
-traced under laplace_jax/context_parallel.py's name scope), beside its ideal: S states of
-H x dk x dv fp32 per layer and per sequence a device holds a slice of, forward and backward. The
-headline adds `context_exchange_over_ideal`, and the plan `tokens_per_device`. Then the training
+traced under laplace_jax/context_parallel.py's name scopes), beside its ideal: the S - 1 states
+of H x dk x dv fp32 a device receives per layer and per sequence it holds a slice of, forward
+and backward (the conv windows and the slices' decays, which it also receives, are small and
+not in the ideal). How many exchanges a program runs is counted by kind (`context_exchanges`:
+the GLA states, per layer; the decays, once per step; the conv windows, per layer), and the
+headline adds `context_exchange_over_ideal`, `context_exchanges_per_step_{state,decay,conv}`,
+and the plan `tokens_per_device`. Then the training
 FLOPs per step (6 x parameters x tokens, the write-up's count), and a modelled trn2 step time:
 a floor from stated assumptions (`TRN2`), the step's FLOPs at the Tensor Engine's peak plus its
 collective bytes at NeuronLink's bandwidth, not overlapped; no measured step goes into it.
@@ -115,7 +119,12 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
 
     from laplace_jax import hlo, muon_accounting
     from laplace_jax.accounting import parameter_counts, training_flops_per_token
-    from laplace_jax.context_parallel import EXCHANGE
+    from laplace_jax.context_parallel import (
+        EXCHANGE,
+        EXCHANGE_CONV,
+        EXCHANGE_DECAY,
+        EXCHANGE_STATE,
+    )
     from laplace_jax.generate import decode, next_token_by_recompute, prefill
     from laplace_jax.model import init_params, init_state
     from laplace_jax.optim import muon_plan
@@ -193,6 +202,7 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
     if t.init_on_host:
         runs_on["init_params"] = "host"
     report = {}
+    exchanges = {"state": EXCHANGE_STATE, "decay": EXCHANGE_DECAY, "conv": EXCHANGE_CONV}
     for name, lower in programs.items():
         t0 = time.perf_counter()
         compiled = lower().compile()
@@ -208,6 +218,7 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
             ),
             "census": hlo.neuron_census(text),
             "runs_on": runs_on.get(name, "devices"),
+            "context_exchanges": hlo.collective_executions(collectives, exchanges),
         }
 
     P = parameter_counts(m)["total_params"]
@@ -217,11 +228,12 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
     gathered = jnp.dtype(m.compute_dtype).itemsize  # weights travel in the compute dtype
     fsdp_micro = (2 * gathered + 4) * P * (f - 1) // f  # gathers twice + fp32 reduce-scatter
     data_step = 2 * (4 * P // f) * (d - 1) // d  # all-reduce of the fp32 gradient shard
-    # docs/design.md s11: S states of H x dk x dv fp32 per layer and sequence, forward and
-    # backward, for each sequence a device holds a slice of (0 without a context axis)
+    # docs/design.md s11: the S - 1 other slices' states of H x dk x dv fp32 per layer and
+    # sequence, forward and backward, for each sequence a device holds a slice of (0 without a
+    # context axis)
     local_sequences = M * S // n
-    gla_states = m.state_bytes_per_sequence()["gla"]  # all layers' H x dk x dv x 4 bytes
-    exchange_micro = 2 * local_sequences * S * gla_states if S > 1 else 0
+    gla_states = m.state_bytes_per_sequence()["gla"]  # all GLA layers' H x dk x dv x 4 bytes
+    exchange_micro = 2 * local_sequences * (S - 1) * gla_states
     ideal = {"fsdp_per_micro_step": fsdp_micro, "data_parallel": data_step}
     ideal["muon_a2a"] = muon_received
     ideal["context_exchange_per_micro_step"] = exchange_micro
@@ -248,6 +260,8 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
     if S > 1:  # the slices' exchange against its ideal (docs/design.md s11)
         exchanged = step["collectives"]["context-exchange"]
         headline["context_exchange_over_ideal"] = round(exchanged / (A * exchange_micro), 3)
+        for kind, count in step["context_exchanges"].items():
+            headline[f"context_exchanges_per_step_{kind}"] = count
     return {
         "headline": headline,
         "config": {
@@ -333,8 +347,14 @@ def print_table(plan: dict) -> None:
         exchange_ideal = ideal["context_exchange_per_micro_step"] * b["accum_steps"]
         print(
             f"context exchange {exchanged / 1e6:.1f} MB vs its ideal {exchange_ideal / 1e6:.1f} MB "
-            "(S x H x dk x dv x 4 bytes per layer and sequence, forward and backward): "
+            "((S - 1) x H x dk x dv x 4 bytes per layer and sequence, forward and backward): "
             f"{h['context_exchange_over_ideal']:.2f}x"
+        )
+        counts = plan["programs"]["train_step"]["context_exchanges"]
+        print(
+            "context exchanges per step: "
+            + ", ".join(f"{kind} {n}" for kind, n in counts.items())
+            + " (collectives run, forward and backward)"
         )
     print(
         f"training FLOPs per step {h['train_flops_per_step']:.3e}; modelled trn2 step, a floor: "

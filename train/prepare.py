@@ -6,7 +6,11 @@ Every document is preceded by the end-of-text token (GPT-2's convention). With `
 the given Hugging Face `tokenizer.json` is used (for the 3B recipe: GPT-2's, 50,257 tokens,
 which the model pads to 50,304); without it a byte-level BPE of `--vocab-size` tokens (a multiple
 of 64) is trained on the data first. Every `--val-every`-th document goes to the validation
-split. Output: DIR/train_000000.bin ..., DIR/val_000000.bin ..., DIR/tokenizer.json, DIR/meta.json.
+split. `--min-doc-tokens N` keeps only documents of at least N tokens (the end-of-text token not
+counted): data for long-context training, whose sequences should hold long documents
+(train/doc_context.py). Output: DIR/train_000000.bin ..., DIR/val_000000.bin ...,
+DIR/tokenizer.json, DIR/meta.json (counts, and each split's document lengths: quantiles and the
+share of tokens in documents of at least 1k, 8k and 64k tokens).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from train.data import TOKEN_DTYPE, write_shard
+from train.doc_context import length_summary
 
 EOT = "<|endoftext|>"
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".text")
@@ -187,6 +192,7 @@ def prepare(
     text_key: str = "text",
     eot_token: str = EOT,
     progress: bool = True,
+    min_doc_tokens: int = 0,
 ) -> dict:
     """Tokenise `inputs` into shards under `out_dir`; return the summary saved as meta.json."""
     out = Path(out_dir)
@@ -202,20 +208,28 @@ def prepare(
     tok.save(str(out / "tokenizer.json"))
     eot = eot_id(tok, eot_token)
 
+    if min_doc_tokens < 0:
+        raise ValueError(f"min_doc_tokens must be >= 0, got {min_doc_tokens}")
     writers = {s: ShardWriter(out, s, shard_tokens) for s in ("train", "val")}
     docs = {"train": 0, "val": 0}
+    lengths: dict[str, list[int]] = {"train": [], "val": []}  # tokens of each kept document
+    dropped = 0
     batches = _batched(iter_documents(inputs, text_key), 256)
     bar = tqdm(desc="tokenising", unit="tok", unit_scale=True, disable=not progress)
     doc_index = 0
 
     def consume(arrays):
-        nonlocal doc_index
-        for a in arrays:
+        nonlocal doc_index, dropped
+        for a in arrays:  # a: [eot, the document's tokens]
+            bar.update(a.size)
+            if a.size - 1 < min_doc_tokens:
+                dropped += 1
+                continue
             split = "val" if val_every and doc_index % val_every == val_every - 1 else "train"
             writers[split].add(a)
             docs[split] += 1
+            lengths[split].append(a.size - 1)
             doc_index += 1
-            bar.update(a.size)
 
     if workers > 1:
         ctx = multiprocessing.get_context("spawn")
@@ -237,6 +251,9 @@ def prepare(
         "val_tokens": writers["val"].total,
         "train_docs": docs["train"],
         "val_docs": docs["val"],
+        "min_doc_tokens": min_doc_tokens,
+        "dropped_docs": dropped,
+        "doc_tokens": {split: length_summary(n) for split, n in lengths.items()},
         "train_shards": [Path(p).name for p in writers["train"].paths],
         "val_shards": [Path(p).name for p in writers["val"].paths],
     }
@@ -257,7 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1, help="tokenising processes")
     ap.add_argument("--text-key", default="text", help="JSONL field / Parquet column")
     ap.add_argument("--eot-token", default=EOT, help="document separator token")
+    ap.add_argument(
+        "--min-doc-tokens",
+        type=int,
+        default=0,
+        help="keep only documents of at least N tokens (long-context data)",
+    )
     args = ap.parse_args(argv)
+    if args.min_doc_tokens < 0:
+        ap.error(f"--min-doc-tokens must be >= 0, got {args.min_doc_tokens}")
     meta = prepare(
         expand_inputs(args.inputs),
         args.out,
@@ -268,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         workers=args.workers,
         text_key=args.text_key,
         eot_token=args.eot_token,
+        min_doc_tokens=args.min_doc_tokens,
     )
     print(json.dumps(meta, indent=2))
     return 0

@@ -56,6 +56,15 @@ def set_up(args) -> Trainer:
     else:
         batches, val_batches, train_tokens = task_pipeline(cfg, layout, task)
     eot_id = doc_reset_eot(cfg.train, train_paths, task is not None, say)
+    data_notes, shares = [], None
+    if task is None and main_proc:  # how much same-document context the windows hold
+        from train import doc_context
+        from train.data import TokenWindows
+
+        source = TokenWindows(train_paths, cfg.model.seq_len)
+        shares = doc_context.context_shares(source, eot_id, mesh.shape.get(CONTEXT, 1))
+        warning = doc_context.short_documents_warning(shares)
+        data_notes = [doc_context.context_note(shares), *([warning] if warning else [])]
     parts = build_model(cfg, mesh, masked=task is not None, eot_id=eot_id)
     if args.restart:  # asked for, and the rest of the set-up is valid
         restart_aside(run_dir, ckpt_dir, say)
@@ -68,6 +77,8 @@ def set_up(args) -> Trainer:
 
     run_dir.mkdir(parents=True, exist_ok=True)
     data = {"train": train_paths, "val": val_paths, "train_tokens": train_tokens}
+    if shares is not None:
+        data["context_shares"] = shares
     if task is not None:
         data = {"task": task[0], "task_params": task[1], "train_tokens": train_tokens}
     meta = write_run_files(args, cfg, run_dir, tokenizer_src, mesh, layout, data)
@@ -80,6 +91,7 @@ def set_up(args) -> Trainer:
             f"note: {metrics.superseded} lines of metrics.jsonl after step {start} (logged by an "
             f"earlier run past its last checkpoint) moved to metrics.superseded.jsonl"
         )
+    notes.extend(data_notes)
     fallbacks = replicated_fallbacks(cfg.model, mesh)
     if fallbacks:
         notes.append(replication_notice(fallbacks, mesh))

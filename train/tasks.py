@@ -41,6 +41,13 @@ Passkey retrieval, with T = `seq_len`, n = `num_digits`, V = `vocab_size`:
                 query; the query QUERY d1..dn fills the last n + 1 tokens [T - n, T]
     answer_mask True exactly at t in [T - n, T - 1] (targets: the n answer digits)
 
+    With `queries` = Q > 1 (a denser task: Q answers a sequence instead of one) the sequence is
+    cut into Q segments ending at e_j = (j + 1) T // Q, and QUERY d1 .. dn fills the last n + 1
+    tokens [e_j - n, e_j] of each; the needle sits in the first segment, at
+    round(depth * (e_0 - 2n - 1)); answer_mask is True at the n digits of every query. Each query
+    is answered from the needle or from the query before it, T // Q tokens back: a dependency
+    of that length, Q times a sequence. Q = 1 is the layout above.
+
 Both validate their parameters and raise `TaskError` (a ValueError) naming the field.
 """
 
@@ -132,37 +139,43 @@ def passkey(
     vocab_size: int,
     seed: int | Sequence[int],
     num_digits: int = 5,
+    queries: int = 1,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Passkey batch: (tokens [B, T + 1] int32, answer_mask [B, T] bool); layout in the module
     doc. `depth` in [0, 1]: where the needle sits in the filler (0 start, 1 end); -1: every
-    sequence draws its own depth uniformly from [0, 1] (to train on all depths)."""
+    sequence draws its own depth uniformly from [0, 1] (to train on all depths). `queries`:
+    how many times the key is asked, at the ends of equal segments."""
     B = _check_int("batch_size", batch_size, 1)
     T = _check_int("seq_len", seq_len, 2)
     n = _check_int("num_digits", num_digits, 1)
+    Q = _check_int("queries", queries, 1)
     V = _check_int("vocab_size", vocab_size, PASSKEY_FILLER0 + 1)
     if (
         not (isinstance(depth, int | float) and not isinstance(depth, bool) and 0 <= depth <= 1)
         and depth != -1
     ):
         raise TaskError(f"depth must lie in [0, 1] (or be -1: random per sequence), got {depth!r}")
-    if T < 2 * n + 1:
+    ends = [(j + 1) * T // Q for j in range(Q)]  # e_j: each query's last token
+    if ends[0] < 2 * n + 1:
         raise TaskError(
-            f"seq_len must be >= 2 * num_digits + 1 = {2 * n + 1} (needle and query), got {T}"
+            f"seq_len must be >= queries * (2 * num_digits + 1) = {Q * (2 * n + 1)} (needle and "
+            f"query in each of {Q} segment(s)), got {T}"
         )
     rng = _rng(seed)
     tokens = rng.integers(PASSKEY_FILLER0, V, size=(B, T + 1), dtype=np.int32)
     digits = rng.integers(0, 10, size=(B, n)).astype(np.int32) + PASSKEY_DIGIT0
     if depth == -1:  # one depth per row
-        starts = [passkey_position(T, d, n) for d in rng.uniform(0.0, 1.0, size=B)]
+        starts = [passkey_position(ends[0], d, n) for d in rng.uniform(0.0, 1.0, size=B)]
     else:
-        starts = [passkey_position(T, depth, n)] * B
+        starts = [passkey_position(ends[0], depth, n)] * B
     rows = np.arange(B)[:, None]  # [B, 1]
     needle = np.asarray(starts)[:, None] + np.arange(n + 1)  # [B, n + 1]: KEY d1 .. dn
     tokens[rows, needle] = np.concatenate([np.full((B, 1), PASSKEY_KEY, np.int32), digits], 1)
-    tokens[:, T - n] = PASSKEY_QUERY
-    tokens[:, T - n + 1 :] = digits
     mask = np.zeros((B, T), bool)
-    mask[:, T - n :] = True
+    for e in ends:  # QUERY d1 .. dn in [e - n, e]; the targets of [e - n, e - 1] are the digits
+        tokens[:, e - n] = PASSKEY_QUERY
+        tokens[:, e - n + 1 : e + 1] = digits
+        mask[:, e - n : e] = True
     return tokens, mask
 
 
@@ -176,7 +189,7 @@ def passkey_position(seq_len: int, depth: float, num_digits: int = 5) -> int:
 # name -> (generator, its parameters a `--task NAME:key=value,...` may set, with types)
 TASKS = {
     "mqar": (mqar, {"num_pairs": int, "vocab_size": int, "power_a": float}),
-    "passkey": (passkey, {"depth": float, "vocab_size": int, "num_digits": int}),
+    "passkey": (passkey, {"depth": float, "vocab_size": int, "num_digits": int, "queries": int}),
 }
 TASK_DEFAULTS = {"mqar": {"num_pairs": 4}, "passkey": {"depth": 0.5}}
 
