@@ -1,12 +1,13 @@
-"""Retrieval benchmark: tiny Laplace and softmax-attention models trained on MQAR and passkey on
-this CPU, side by side (docs/design.md s9).
+"""Retrieval benchmark: tiny Laplace, softmax-attention and hybrid models trained on MQAR and
+passkey on this CPU, side by side (docs/design.md s9, s13).
 
     python -m bench.retrieval [--quick] [--seeds N] [--steps N] [--work-dir DIR]
 
 Every model is trained by the project's trainer (`python -m train.main --task ...`, in-process)
 and scored by its evaluator (`python -m train.eval`) on fresh batches, never training ones. The
 baseline is the same model with `token_mixer=attention` (laplace_jax/attention.py): the same
-parameters, Muon on the same matrices, the same optimizer settings.
+parameters, Muon on the same matrices, the same optimizer settings. The hybrid is Laplace with
+`attention_every=2`: its first layer GLA, its second that attention layer.
 
 Models: 2 layers, 4 heads (d_v = d_model / 4, d_k = d_v / 2, as Laplace), FFN 2 x d_model,
 vocabulary 256 (MQAR: 127 keys, 128 values, so chance is 1/128), the tiny optimizer preset
@@ -36,8 +37,9 @@ argument of the training run, the evaluation flags and the code (a hash of the l
 laplace_jax and train sources) are the same; each row of the JSON says whether it was reused and
 from which run directory. `--fresh` retrains everything.
 
-Writes bench/results/retrieval.json (headline: mqar_acc_laplace_256_16, mqar_acc_attention_256_16,
-mqar_acc_laplace_128_8, mqar_acc_attention_128_8, passkey_acc_laplace_max_depth) and
+Writes bench/results/retrieval.json (headline: mqar_acc_{laplace,attention,hybrid}_{64_4,128_8,
+256_16}, passkey_acc_laplace_max_depth, passkey_acc_hybrid_4096_min: the hybrid's worst depth at
+4,096 tokens) and
 bench/results/retrieval.png (`--quick`: retrieval_quick.json and .png).
 """
 
@@ -61,8 +63,14 @@ from train import main as train_main
 MQAR_SETTINGS = ((64, 4), (128, 8), (256, 16))
 PASSKEY_CONTEXTS = (64, 256, 1024, 4096)
 PASSKEY_DEPTHS = (0.0, 0.5, 1.0)
-MIXERS = ("gla", "attention")
-LABEL = {"gla": "laplace", "attention": "attention"}
+MIXERS = ("gla", "attention", "hybrid")
+LABEL = {"gla": "laplace", "attention": "attention", "hybrid": "hybrid"}
+# how each mixer is set: the hybrid is Laplace with its second layer softmax attention
+MIXER_SETTINGS = {
+    "gla": ["token_mixer=gla"],
+    "attention": ["token_mixer=attention"],
+    "hybrid": ["token_mixer=gla", "attention_every=2"],
+}
 LEARNING_RATES = (3e-3, 1e-2, 3e-2)  # around the tiny preset's 1e-2
 PASSKEY_LR = 1e-2  # the tiny preset's
 CODE = ("laplace_spec", "laplace_jax", "train")  # the packages whose sources key a reused run
@@ -132,7 +140,7 @@ def train_args(
         str(log_every),
         *([] if init_from is None else ["--init-from", str(init_from)]),
         *model_overrides(spec["d_model"], spec["heads"], spec["t_max"]),
-        f"token_mixer={spec['mixer']}",
+        *MIXER_SETTINGS[spec["mixer"]],
         f"seq_len={spec['seq_len']}",
         f"seed={spec['seed']}",
         f"total_steps={steps}",
@@ -262,7 +270,7 @@ def main(argv=None) -> int:
     flags = ["--task", "passkey", "--context-lens", ",".join(map(str, contexts))]
     flags += ["--depths", ",".join(map(str, PASSKEY_DEPTHS))]
     passkey = []
-    for mixer, t_max in (("gla", 2048.0), ("gla", 64.0), ("attention", 2048.0)):
+    for mixer, t_max in (("gla", 2048.0), ("gla", 64.0), ("attention", 2048.0), ("hybrid", 2048.0)):
         if args.quick and t_max == 64.0:
             continue
         spec = {
@@ -404,25 +412,30 @@ def summarise(sweep, best, state, passkey, contexts) -> dict:
     ]
     headline = {}
     for row in table:
-        for mixer in ("laplace", "attention"):
+        for mixer in LABEL.values():
             headline[f"mqar_acc_{mixer}_{row['seq_len']}_{row['num_pairs']}"] = round(row[mixer], 4)
     laplace = next(p for p in pk if p["mixer"] == "laplace" and p["t_max"] == 2048.0)
     deepest = max(contexts)  # the needle at depth 0 of the longest context: furthest back
     headline["passkey_acc_laplace_max_depth"] = next(
         c["accuracy"] for c in laplace["cells"] if c["context"] == deepest and c["depth"] == 0.0
     )
+    hybrid = next((p for p in pk if p["mixer"] == "hybrid"), None)
+    if hybrid is not None:  # its worst depth at the longest context
+        headline[f"passkey_acc_hybrid_{deepest}_min"] = min(
+            c["accuracy"] for c in hybrid["cells"] if c["context"] == deepest
+        )
     return {"headline": headline, "mqar": table, "sweep": sweep, "state": points, "passkey": pk}
 
 
 def print_tables(summary: dict) -> None:
     print("\nMQAR accuracy at each setting's best learning rate (mean over seeds; per seed)")
-    print(f"{'seq_len':>8s} {'pairs':>6s} {'Laplace':>9s} {'attention':>10s}")
+    print(f"{'seq_len':>8s} {'pairs':>6s} {'Laplace':>9s} {'attention':>10s} {'hybrid':>9s}")
     for r in summary["mqar"]:
         seeds = lambda m, r=r: "/".join(f"{a:.0%}" for a in r[f"{m}_seeds"])  # noqa: E731
         print(
             f"{r['seq_len']:8d} {r['num_pairs']:6d} {r['laplace']:9.1%} {r['attention']:10.1%}"
-            f"   (lr {r['laplace_lr']:g}: {seeds('laplace')} | "
-            f"lr {r['attention_lr']:g}: {seeds('attention')})"
+            f" {r['hybrid']:9.1%}   "
+            + " | ".join(f"{m} lr {r[f'{m}_lr']:g}: {seeds(m)}" for m in LABEL.values())
         )
     print("\nMQAR sweep: mean (min to max) over seeds")
     for r in summary["sweep"]:
@@ -457,8 +470,8 @@ def plot(summary: dict, path: Path) -> Path:
     ax = axes[0]
     labels = [f"({r['seq_len']}, {r['num_pairs']})" for r in summary["mqar"]]
     x = range(len(labels))
-    for off, mixer in ((-0.2, "laplace"), (0.2, "attention")):
-        ax.bar([i + off for i in x], [r[mixer] for r in summary["mqar"]], 0.4, label=mixer)
+    for off, mixer in ((-0.27, "laplace"), (0.0, "attention"), (0.27, "hybrid")):
+        ax.bar([i + off for i in x], [r[mixer] for r in summary["mqar"]], 0.27, label=mixer)
         for i, r in enumerate(summary["mqar"]):
             ax.plot([i + off] * len(r[f"{mixer}_seeds"]), r[f"{mixer}_seeds"], "k.", ms=4)
     ax.set_xticks(list(x), labels)
