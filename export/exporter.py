@@ -113,12 +113,6 @@ def convert(cfg: LaplaceConfig, params: Mapping, dtype: str = "fp32") -> Convert
             f"token_mixer={cfg.token_mixer!r} is the retrieval baseline (trained and evaluated "
             "in JAX); only token_mixer='gla' checkpoints export"
         )
-    if cfg.attention_every:  # the serving side of the hybrid is not built yet
-        raise ExportError(
-            f"attention_every={cfg.attention_every}: a hybrid checkpoint (attention layers among "
-            "the GLA ones) trains and evaluates in JAX, but its export, PyTorch model and vLLM "
-            "serving are not built yet; only pure Laplace checkpoints (attention_every=0) export"
-        )
     flat = flatten_dict(dict(params), sep="/")  # flat `/` paths pass through unchanged
     check_params(cfg, flat)
     out = ConvertedTensors(cfg, flat, dtype)
@@ -213,6 +207,7 @@ def hf_config(
         "architectures": ["LaplaceForCausalLM"],
         "model_type": "laplace",
         **cfg.to_dict(),
+        "layer_types": cfg.layer_types,  # each layer's kind, as hybrid models' configs name it
         "torch_dtype": "bfloat16" if dtype in ("bf16", "bfloat16") else "float32",
         # The state is fixed-size, so any length is servable; this is the serving limit.
         "max_position_embeddings": int(max_len),

@@ -25,6 +25,8 @@ BF16_BYTES = 2
 # The serving limit an export declares by default (config.json's max_position_embeddings): the
 # state is fixed-size, so any length is servable; this is only the number vLLM schedules against.
 DEFAULT_SERVE_LENGTH = 65_536
+# A layer's step 4 ("gla" or "attention") -> its kind as hybrid models' configs name it.
+LAYER_TYPES = {"gla": "linear_attention", "attention": "full_attention"}
 
 
 class ConfigError(ValueError):
@@ -92,6 +94,12 @@ class LaplaceConfig:
         if k:
             return tuple("attention" if (i + 1) % k == 0 else "gla" for i in range(self.n_layers))
         return (self.token_mixer,) * self.n_layers
+
+    @property
+    def layer_types(self) -> list[str]:
+        """Each layer's kind in the names hybrid models' Hugging Face configs use (config.json's
+        `layer_types`): "linear_attention" for a GLA layer, "full_attention" for attention."""
+        return [LAYER_TYPES[m] for m in self.layer_mixers]
 
     @property
     def block_size(self) -> int:

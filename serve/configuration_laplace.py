@@ -5,7 +5,9 @@ and their validation are those of the `laplace_spec.config.LaplaceConfig` datacl
 `config.laplace_config` returns that dataclass, which every serving module reads for derived
 sizes (projection widths, decay schedule, tiers, state shapes and bytes). What it adds is what
 Hugging Face and vLLM look for: `model_type`, the standard attribute aliases, the serving
-length `max_position_embeddings` and `tie_word_embeddings`.
+length `max_position_embeddings`, `tie_word_embeddings`, and `layer_types`, each layer's kind as
+hybrid models name them ("linear_attention" for a GLA layer, "full_attention" for a hybrid's
+attention layer), derived from `attention_every` (a `layer_types` that disagrees is an error).
 
     config = LaplaceHFConfig(**get_config("tiny").to_dict())   # or AutoConfig.from_pretrained
     config.laplace_config.state_bytes_per_sequence()["total"]
@@ -43,6 +45,13 @@ class LaplaceHFConfig(PreTrainedConfig):
         spec = LaplaceConfig.from_dict({k: kwargs.pop(k) for k in FIELDS if k in kwargs})
         for name, value in spec.to_dict().items():
             setattr(self, name, value)
+        given = kwargs.pop("layer_types", None)
+        self.layer_types = spec.layer_types
+        if given is not None and list(given) != self.layer_types:
+            raise ValueError(
+                f"layer_types {list(given)} disagrees with attention_every={spec.attention_every} "
+                f"over {spec.n_layers} layers, which gives {self.layer_types}"
+            )
         # the state is fixed-size, so any length is servable; this is the serving limit
         self.max_position_embeddings = max_position_embeddings
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

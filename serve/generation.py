@@ -54,7 +54,8 @@ class DecodeRunner:
     fixed widths (zero state rows, token 0) bounds the number of compiled shapes. Padding turns
     on the row-exact matmuls (`LaplaceLinear`), so rows never interact, not even through BLAS
     blocking: the real rows of a padded batch are bit-identical to the unpadded batch's.
-    `compile=False, widths=None` is plain eager decoding.
+    `compile=False, widths=None` is plain eager decoding, the only form for a hybrid, whose
+    attention layers' keys and values grow every step (no fixed shapes to compile).
     """
 
     def __init__(
@@ -67,6 +68,12 @@ class DecodeRunner:
         backend: str = "inductor",
     ):
         self.model = model
+        self.hybrid = bool(model.config.laplace_config.attention_every)
+        if self.hybrid and (compile or widths):
+            raise ValueError(
+                "a hybrid's decode step is eager and unpadded: its attention layers' keys and "
+                "values grow every step (DecodeRunner(model) without compile or widths)"
+            )
         self.widths = tuple(sorted(widths)) if widths else None
         self.row_exact = bool(widths) if row_exact is None else row_exact
         self.shapes_seen: set[int] = set()
@@ -88,6 +95,9 @@ class DecodeRunner:
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, state: LaplaceState):
         """tokens [B] -> (logits [B, V], new state of B rows)."""
+        if self.hybrid:
+            out = self.model(tokens[:, None], state)
+            return out.logits[:, 0], out.state
         n = tokens.shape[0]
         w = self.width_for(n)
         self.shapes_seen.add(w)

@@ -18,6 +18,11 @@ The recurrent state is an explicit `LaplaceState` (per layer the GLA matrices [B
 the last W conv inputs [B, W, D], fp32), the layout of docs/parameters.md. Parameter names are the
 exported tensor names of `laplace_spec/names.py`, checked at construction and on load.
 
+A hybrid (`attention_every=k`, docs/design.md s13) runs its attention layers as the JAX model
+does: step 4 is causal softmax attention over the same q, k, v, without positional encoding
+(`torch.nn.functional.scaled_dot_product_attention`, fp32), and such a layer keeps the keys and
+values of every token it has seen in the state instead of GLA matrices (`LaplaceState.kv`).
+
     model = LaplaceForCausalLM.from_exported("exported/")       # or AutoModelForCausalLM
     out = model(input_ids)                                       # logits [B, T, V], out.state
     out = model(next_ids[:, None], state=out.state)             # one decode step, O(1)
@@ -55,45 +60,79 @@ f32 = torch.float32
 
 @dataclasses.dataclass
 class LaplaceState:
-    """Per layer: `gla` [B, H, dk, dv] and `conv` [B, W, D] (last W LN_1 outputs), fp32."""
+    """Per layer: `gla` [B, H, dk, dv] and `conv` [B, W, D] (last W LN_1 outputs), fp32.
+
+    A hybrid's attention layers keep no GLA matrices (their `gla` is [B, 0]) but the keys
+    [B, t, H, dk] and values [B, t, H, dv] of the t tokens seen (`kv[i]`; None for GLA layers,
+    and `kv` empty for pure Laplace); `valid` [B, t] marks the keys of real tokens: the rows of
+    a batch prefilled one by one on prompts of different lengths are left-padded to the
+    longest, the padding masked."""
 
     gla: list[torch.Tensor]
     conv: list[torch.Tensor]
+    kv: list[tuple[torch.Tensor, torch.Tensor] | None] = dataclasses.field(default_factory=list)
+    valid: torch.Tensor | None = None
 
     @classmethod
     def zeros(cls, config: LaplaceConfig, batch_size: int, device=None) -> LaplaceState:
-        L, gla, conv = config.n_layers, config.gla_state_shape, config.conv_state_shape
-        return cls(
-            [torch.zeros(batch_size, *gla, device=device) for _ in range(L)],
-            [torch.zeros(batch_size, *conv, device=device) for _ in range(L)],
-        )
+        B, H, dk, dv = batch_size, config.n_heads, config.d_k, config.d_v
+        gla, conv, kv = [], [], []
+        for mixer in config.layer_mixers:
+            attention = mixer == "attention"
+            matrices = (0,) if attention else config.gla_state_shape  # none in attention layers
+            gla.append(torch.zeros(B, *matrices, device=device))
+            conv.append(torch.zeros(B, *config.conv_state_shape, device=device))
+            empty = lambda d: torch.zeros(B, 0, H, d, device=device)  # noqa: E731
+            kv.append((empty(dk), empty(dv)) if attention else None)
+        if not config.attention_every:
+            return cls(gla, conv)
+        return cls(gla, conv, kv, torch.zeros(B, 0, dtype=torch.bool, device=device))
 
     @property
     def batch_size(self) -> int:
         return self.gla[0].shape[0]
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the state holds."""
+        kv = [t for pair in self.kv if pair is not None for t in pair]
+        return [*self.gla, *self.conv, *kv]
+
     def nbytes_per_seq(self) -> int:
-        return sum(t[0].nbytes for t in self.gla + self.conv)
+        return sum(t[0].nbytes for t in self.tensors())
 
     @classmethod
     def cat(cls, states: list[LaplaceState]) -> LaplaceState:
-        return cls(
-            [torch.cat([s.gla[i] for s in states]) for i in range(len(states[0].gla))],
-            [torch.cat([s.conv[i] for s in states]) for i in range(len(states[0].conv))],
-        )
+        """The rows of `states` as one batch; keys and values left-padded to the longest."""
+        first = states[0]
+        gla = [torch.cat([s.gla[i] for s in states]) for i in range(len(first.gla))]
+        conv = [torch.cat([s.conv[i] for s in states]) for i in range(len(first.conv))]
+        if first.valid is None:
+            return cls(gla, conv)
+        t = max(s.valid.shape[1] for s in states)
+
+        def left(x):  # [b, t', ...] -> [b, t, ...], zeros first
+            return torch.cat([x.new_zeros(x.shape[0], t - x.shape[1], *x.shape[2:]), x], 1)
+
+        def rows(i, j):  # keys (j = 0) or values (1) of layer i, every state's rows
+            return torch.cat([left(s.kv[i][j]) for s in states])
+
+        kv = [None if pair is None else (rows(i, 0), rows(i, 1)) for i, pair in enumerate(first.kv)]
+        return cls(gla, conv, kv, torch.cat([left(s.valid) for s in states]))
 
     def select(self, index) -> LaplaceState:
-        return LaplaceState([t[index] for t in self.gla], [t[index] for t in self.conv])
+        kv = [None if p is None else (p[0][index], p[1][index]) for p in self.kv]
+        valid = None if self.valid is None else self.valid[index]
+        return LaplaceState([t[index] for t in self.gla], [t[index] for t in self.conv], kv, valid)
 
     def padded(self, width: int) -> LaplaceState:
         """Zero rows appended up to `width` sequences (decode batch-width padding)."""
         extra = width - self.batch_size
         if extra <= 0:
             return self
-        return LaplaceState(
-            [torch.cat([t, t.new_zeros(extra, *t.shape[1:])]) for t in self.gla],
-            [torch.cat([t, t.new_zeros(extra, *t.shape[1:])]) for t in self.conv],
-        )
+        rows = lambda t: torch.cat([t, t.new_zeros(extra, *t.shape[1:])])  # noqa: E731
+        kv = [None if p is None else (rows(p[0]), rows(p[1])) for p in self.kv]
+        valid = None if self.valid is None else rows(self.valid)
+        return LaplaceState([rows(t) for t in self.gla], [rows(t) for t in self.conv], kv, valid)
 
 
 # ---- modules (parameter names == laplace_spec/names.py's exported names) --------------------
@@ -147,14 +186,18 @@ class LaplaceMixer(nn.Module):
         T == 1 takes the O(1) recurrent step, longer inputs the chunked form.
         Returns (y [B, T, D], new window, new gla state).
         """
-        if h.shape[1] == 1:  # decode: the same conv step as the vLLM model's
-            u, window = causal_conv_step(h[:, 0], window, self.conv_weight, self.conv_bias)
-            u = u[:, None]
-        else:
-            u, window = causal_conv(h, window, self.conv_weight, self.conv_bias)
+        u, window = self.convolve(h, window)
         q, k, v, g = self.project(u)
         o, gla_state = self.mix(q, k, v, gla_state)
         return self.output(o, q, k, v, g), window, gla_state
+
+    def convolve(self, h, window):
+        """SiLU(causal depth-wise conv(h)) [B, T, D] from the window of the inputs before, and
+        the new window: the one-token step (the vLLM model's) for T == 1."""
+        if h.shape[1] == 1:
+            u, window = causal_conv_step(h[:, 0], window, self.conv_weight, self.conv_bias)
+            return u[:, None], window
+        return causal_conv(h, window, self.conv_weight, self.conv_bias)
 
     # The steps, separately: the vLLM model runs the conv and the GLA in its own batched forms
     # (decodes, variable-length prefills) and these projections once over all tokens of a step.
@@ -200,6 +243,35 @@ class LaplaceMixer(nn.Module):
         return self.out_proj(y)
 
 
+class LaplaceAttentionMixer(LaplaceMixer):
+    """A hybrid's attention layer: LaplaceMixer with step 4 causal softmax attention over the
+    same q, k, v (no positional encoding; laplace_jax/attention.py), its state the keys and
+    values of the tokens seen."""
+
+    def forward(self, h, window, kv, valid):
+        """h [B, T, D]; window [B, W, D]; kv: keys [B, t, H, dk] and values [B, t, H, dv] of
+        the t tokens before; valid [B, t + T] (the keys of real tokens, these T included).
+        Returns (y [B, T, D], new window, the keys and values of the t + T tokens)."""
+        u, window = self.convolve(h, window)
+        q, k, v, g = self.project(u)
+        keys, values = torch.cat([kv[0], k], 1), torch.cat([kv[1], v], 1)
+        o = self.attend(q, keys, values, valid)
+        return self.output(o, q, k, v, g), window, (keys, values)
+
+    def attend(self, q, keys, values, valid):
+        """o [B, T, H, dv] fp32: query i, the (t - T + i)-th token, attends to the keys of the
+        tokens up to itself that are valid; scale qk_scale, as the JAX layer."""
+        T, t = q.shape[1], keys.shape[1]
+        position = torch.arange(t, device=q.device)
+        causal = position[None, :] <= (t - T + torch.arange(T, device=q.device))[:, None]
+        mask = causal[None, None] & valid[:, None, None, :]  # [B, 1, T, t]
+        heads = lambda x: x.transpose(1, 2).to(f32)  # noqa: E731  [B, ., H, d] -> [B, H, ., d]
+        o = F.scaled_dot_product_attention(
+            heads(q), heads(keys), heads(values), attn_mask=mask, scale=self.scale
+        )
+        return o.transpose(1, 2)  # [B, T, H, dv]
+
+
 class LaplaceMLP(nn.Module):
     def __init__(self, config: LaplaceConfig):
         super().__init__()
@@ -229,28 +301,44 @@ class LaplaceDecoderLayer(nn.Module):
         self.ln_2 = LaplaceLayerNorm(config.d_model, config.norm_eps)
         self.mlp = LaplaceMLP(config)
 
-    def forward(self, x, window, gla_state):
-        y, window, gla_state = self.mixer(self.ln_1(x), window, gla_state)
+    def forward(self, x, window, *mixer_state):
+        """`mixer_state`: the GLA matrices, or (an attention layer's) the keys and values and
+        the valid mask; returns x, the new window and the mixer's new state."""
+        y, window, new = self.mixer(self.ln_1(x), window, *mixer_state)
         x = x + y
         x = x + self.mlp(self.ln_2(x))
-        return x, window, gla_state
+        return x, window, new
 
 
 class LaplaceModel(nn.Module):
     def __init__(self, config: LaplaceConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(LaplaceDecoderLayer(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(
+            LaplaceDecoderLayer(config, LaplaceAttentionMixer(config) if m == "attention" else None)
+            for m in config.layer_mixers
+        )
         self.norm = LaplaceLayerNorm(config.d_model, config.norm_eps)
 
     def forward(self, input_ids, state: LaplaceState):
         x = self.embed_tokens(input_ids)  # [B, T, D]
-        gla, conv = [], []
+        valid = state.valid  # a hybrid: the real tokens among the keys, these T appended
+        if valid is not None:
+            valid = torch.cat([valid, valid.new_ones(input_ids.shape)], 1)
+        gla, conv, kv = [], [], []
         for i, layer in enumerate(self.layers):
-            x, w, s = layer(x, state.conv[i], state.gla[i])
+            if isinstance(layer.mixer, LaplaceAttentionMixer):
+                x, w, pair = layer(x, state.conv[i], state.kv[i], valid)
+                gla.append(state.gla[i])  # keeps no GLA matrices
+                kv.append(pair)
+            else:
+                x, w, s = layer(x, state.conv[i], state.gla[i])
+                gla.append(s)
+                kv.append(None)
             conv.append(w)
-            gla.append(s)
-        return self.norm(x), LaplaceState(gla, conv)
+        if valid is None:
+            return self.norm(x), LaplaceState(gla, conv)
+        return self.norm(x), LaplaceState(gla, conv, kv, valid)
 
 
 @dataclasses.dataclass

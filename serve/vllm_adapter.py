@@ -88,6 +88,20 @@ def state_budget_bytes() -> int:
     return int(float(gib) * 2**30)
 
 
+HYBRID_NOT_SERVED = (
+    "is a hybrid (attention_every={k}: softmax-attention layers among the GLA layers); vLLM "
+    "does not serve hybrids yet (their attention layers' paged KV cache is not built): run it "
+    "with the PyTorch model, serve.modeling_laplace.LaplaceForCausalLM (generate())"
+)
+
+
+def check_servable(model) -> None:
+    """ValueError naming the folder when vLLM cannot serve its model (a hybrid, for now)."""
+    k = _config(model).get("attention_every", 0)
+    if k:
+        raise ValueError(f"{model} " + HYBRID_NOT_SERVED.format(k=k))
+
+
 def default_max_num_seqs(model, budget_bytes: int | None = None) -> int:
     """The sequences whose state pages fit the budget, at most `MAX_DEFAULT_SEQS`:
 
@@ -122,6 +136,7 @@ def engine_kwargs(
     with prefix caching). prefix_caching: vLLM's `align` mode with `PREFIX_BLOCK_SIZE` blocks;
     off: one state page per sequence.
     """
+    check_servable(model)
     if prefix_caching and not max_num_seqs:  # align mode: up to 2 pages per running sequence
         max_num_seqs = max(1, default_max_num_seqs(model) // 2)
     kw = dict(
@@ -308,6 +323,10 @@ def main(argv=None) -> int:
         help="extra argument passed to vLLM's server (repeatable)",
     )
     args = ap.parse_args(argv)
+    try:
+        check_servable(args.model)
+    except (OSError, ValueError) as e:
+        ap.error(str(e))
     prompts: list = list(args.prompt)
     prompts += [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt_ids]
     try:

@@ -411,6 +411,11 @@ class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree, Supports
                 "every head (serve replicas with --data-parallel-size instead)"
             )
         config = vllm_config.model_config.hf_config.laplace_config
+        if config.attention_every:
+            from serve.vllm_adapter import HYBRID_NOT_SERVED
+
+            model = vllm_config.model_config.model
+            raise ValueError(f"{model} " + HYBRID_NOT_SERVED.format(k=config.attention_every))
         self.config = config
         self.model = LaplaceVLLMModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from test_context_training import assert_equals_the_single_device_model
 
-from export.exporter import ExportError, convert
 from laplace_jax.accounting import parameter_counts
 from laplace_jax.attention import causal_attention_reference
 from laplace_jax.attention_context import blockwise_attention
@@ -61,12 +60,6 @@ def test_bad_attention_every_exits_2_with_one_line(capsys):
     assert err == [
         "error: attention_every=3 must divide n_layers (2): the layers repeat in blocks of 3"
     ]
-
-
-def test_exporting_a_hybrid_is_refused_until_its_serving_side_exists():
-    params = init_params(HYBRID, jax.random.key(0))
-    with pytest.raises(ExportError, match="attention_every=2: a hybrid checkpoint"):
-        convert(HYBRID, params)
 
 
 def test_blockwise_attention_equals_the_definition_with_its_gradients():

@@ -1,0 +1,117 @@
+"""A hybrid (`attention_every=2`: a GLA layer, then an attention layer) from JAX to the exported
+folder and the PyTorch model: its config and tensors, its logits against the JAX model's, its
+state (the attention layer's keys and values) carried through decoding and `generate()`, and
+vLLM's refusal, which names what to use instead.
+
+Truths: the JAX model (`LaplaceLM.apply`, and `laplace_jax.generate.greedy_generate`, which
+recomputes the whole sequence for every token of a model with attention layers) and the
+PyTorch model's own full forward for the decoded state.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+from laplace_export_helpers import random_params, tiny_config, write_tokenizer
+
+from laplace_jax.generate import greedy_generate as jax_greedy
+from laplace_jax.model import LaplaceLM
+from serve.configuration_laplace import LaplaceHFConfig
+from serve.generation import greedy_generate
+from serve.modeling_laplace import LaplaceForCausalLM
+
+N_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """(cfg, params, exported folder) of the tiny hybrid with random weights."""
+    from export import exporter
+
+    cfg = tiny_config().replace(attention_every=2)
+    params = random_params(cfg, seed=4)
+    root = tmp_path_factory.mktemp("hybrid")
+    tok = write_tokenizer(root / "tok", cfg.vocab_size)
+    return cfg, params, exporter.export_model(cfg, params, root / "model", tokenizer_dir=tok)
+
+
+@pytest.fixture(scope="module")
+def model(hybrid):
+    return LaplaceForCausalLM.from_exported(hybrid[2])
+
+
+def test_the_export_carries_the_layer_types_and_every_tensor(hybrid):
+    cfg, _, folder = hybrid
+    conf = json.loads((folder / "config.json").read_text())
+    assert conf["attention_every"] == 2
+    assert conf["layer_types"] == ["linear_attention", "full_attention"]
+    assert LaplaceHFConfig.from_dict(conf).laplace_config == cfg
+    with pytest.raises(ValueError, match="layer_types"):
+        LaplaceHFConfig.from_dict({**conf, "layer_types": ["linear_attention"] * 2})
+
+
+def test_logits_equal_the_jax_model(hybrid, model):
+    cfg, params, _ = hybrid
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 40)).astype(np.int32)
+    want, _ = jax.jit(LaplaceLM(cfg).apply)({"params": params}, tokens)
+    with torch.no_grad():
+        got = model(torch.tensor(tokens, dtype=torch.long)).logits
+    np.testing.assert_allclose(got.numpy(), np.asarray(want), atol=2e-4, rtol=2e-4)
+
+
+def test_decoding_carries_the_keys_and_values(hybrid, model):
+    """A prefill then one token at a time gives the full forward's logits and state: the
+    attention layer's keys and values grow by one a step, the GLA layer's state stays fixed."""
+    cfg = hybrid[0]
+    ids = torch.tensor(np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 30)))
+    with torch.no_grad():
+        full = model(ids)
+        out = model(ids[:, :20])
+        steps = [out.logits[:, -1]]
+        for t in range(20, 30):
+            out = model(ids[:, t : t + 1], state=out.state)
+            steps.append(out.logits[:, -1])
+    torch.testing.assert_close(torch.stack(steps[:-1], 1), full.logits[:, 19:29])
+    keys, values = out.state.kv[1]
+    assert keys.shape == (1, 30, cfg.n_heads, cfg.d_k) and values.shape[-1] == cfg.d_v
+    assert out.state.kv[0] is None and out.state.gla[1].numel() == 0
+    for a, b in zip(out.state.tensors(), full.state.tensors(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_greedy_tokens_equal_jax_and_generate(hybrid, model):
+    """Greedy tokens: JAX's recomputed greedy = serve.generation's prefill-then-decode (prompts
+    of different lengths decoded together: the keys left-padded and masked) = transformers'
+    generate() on a left-padded batch."""
+    cfg, params, folder = hybrid
+    from transformers import AutoModelForCausalLM
+
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (7, 19)]
+    want = [
+        np.asarray(jax_greedy(params, cfg, np.array([p], np.int32), N_NEW))[0].tolist()
+        for p in prompts
+    ]
+    assert greedy_generate(model, prompts, N_NEW) == want
+    auto = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    T = max(map(len, prompts))
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    out = auto.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False, pad_token_id=0
+    )
+    assert out[:, T:].tolist() == want
+
+
+def test_vllm_refuses_a_hybrid_naming_the_pytorch_model(hybrid):
+    from serve import vllm_adapter
+
+    with pytest.raises(ValueError, match="attention_every=2.*serve.modeling_laplace"):
+        vllm_adapter.engine_kwargs(str(hybrid[2]))
+    with pytest.raises(SystemExit) as stop:
+        vllm_adapter.main(["--model", str(hybrid[2]), "--prompt", "the"])
+    assert stop.value.code == 2
