@@ -3,6 +3,7 @@ sequence split over 4 simulated devices, beside the same runs without the contex
 same model trained at 64 tokens.
 
     python -m bench.long_context [--seq-len 4096] [--context 4] [--steps N] [--extend-steps N]
+                                 [--queries Q] [--dense-steps N]
 
 All models are the retrieval benchmark's passkey Laplace (bench/retrieval.py: 2 layers, 4 heads,
 d_model 64, vocabulary 256, T_max 2,048, the tiny optimizer preset at lr 1e-2), trained by
@@ -18,11 +19,14 @@ devices:
   decides what the long run learns;
 - long, extended: the short model's parameters (`--init-from`) trained `--extend-steps` more
   steps as the long one is (a fresh optimizer): how a model is taken to a longer context;
-- dense, from scratch, and its control: the same model and steps on a denser task, the pass key
-  asked `--queries` times a sequence (`passkey:queries=Q`, train/tasks.py: the sequence cut into
-  Q segments, each ending with the query; each answer is T / Q tokens after the needle or the
-  query before it), with `context=4` and on one device. The one-query task scores 5 tokens a
-  sequence; this one 5 Q, so a tiny model trained from scratch gets Q times the signal.
+- dense, from scratch, and its control: the same model, `--dense-steps` steps, on a denser
+  task, `--queries` keys a sequence (`passkey:queries=Q`, train/tasks.py: the sequence cut into
+  Q segments, each its own passkey problem, its needle anywhere in it and its query at its end),
+  with `context=4` and on one device. The one-query task trains on 4 keys a step (the
+  sequences' one key each), too few for the tiny model to leave chance in 1,000 steps at 4,096
+  tokens (the `long` run); this one on 4 Q. Q = 31 (segments of about 132 tokens) does not
+  divide the slices: the segments around the slice edges at 1,024, 2,048 and 3,072 straddle two
+  slices, so their answers need the state the context axis passes on.
 
 Each is scored by `python -m train.eval --task passkey --mesh fsdp=1,context=4` (the eval's
 sharded forward, the same slices) at 1x, 2x and 4x the long training length, needle depths 0,
@@ -52,8 +56,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def passkey_spec(seq_len: int, queries: int = 1) -> dict:
-    """The retrieval benchmark's passkey Laplace (bench/retrieval.py), at `seq_len` tokens, the
-    key asked `queries` times a sequence."""
+    """The retrieval benchmark's passkey Laplace (bench/retrieval.py), at `seq_len` tokens,
+    `queries` keys asked a sequence."""
     task = "passkey:depth=-1" + (f",queries={queries}" if queries > 1 else "")
     return {
         "mixer": "gla",
@@ -152,7 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sequences", type=int, default=4, help="long sequences per step")
     ap.add_argument("--steps", type=int, default=1000, help="steps of the short and long runs")
     ap.add_argument("--extend-steps", type=int, default=300, help="steps of the extended run")
-    ap.add_argument("--queries", type=int, default=16, help="queries a sequence, dense task")
+    ap.add_argument("--queries", type=int, default=31, help="keys a sequence, dense task")
+    ap.add_argument("--dense-steps", type=int, default=1500, help="steps of the dense runs")
     ap.add_argument("--work-dir", default="runs/bench-long-context", help="training runs")
     args = ap.parse_args(argv)
     T, S, work = args.seq_len, args.context, Path(args.work_dir)
@@ -164,7 +169,12 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     common = (eval_flags, S, print)
     long = (T, args.sequences)
-    models = {
+    models = {}  # the dense runs first: the task the issue's target is on
+    for name, on in (("dense", mesh), ("dense_control", one)):
+        run_dir = work / (f"passkey-{T}-q{args.queries}" + ("" if on == mesh else "-control"))
+        steps = args.dense_steps
+        models[name] = study(name, run_dir, *long, on, steps, *common, queries=args.queries)
+    models |= {
         "short": study("short", work / "passkey-64", 64, 32, one, args.steps, *common),
         "long": study("long", work / f"passkey-{T}", *long, mesh, args.steps, *common),
         "long_control": study(
@@ -180,9 +190,6 @@ def main(argv=None) -> int:
             init_from=work / "passkey-64",
         ),
     }
-    for name, on in (("dense", mesh), ("dense_control", one)):
-        run_dir = work / (f"passkey-{T}-q{args.queries}" + ("" if on == mesh else "-control"))
-        models[name] = study(name, run_dir, *long, on, args.steps, *common, queries=args.queries)
     headline = {}
     names = {"short": "64", "long": str(T), "long_control": f"{T}_control"}
     names["extended"] = f"64_to_{T}"

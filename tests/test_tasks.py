@@ -123,21 +123,23 @@ def test_passkey_small_case_has_the_exact_layout():
 
 
 def test_passkey_with_several_queries_has_the_exact_layout():
-    """queries=3 over T = 30: segments ending at 10, 20, 30, each ending with QUERY d1 d2; the
-    needle in the first segment at round(1.0 * (10 - 5)) = 5, right before its query."""
+    """queries=3 over T = 30: segments [0, 10], [11, 20], [21, 30], each its own problem: its
+    needle at s + round(1.0 * (e - s - 5)) = 5, 15, 25 and QUERY d1 d2 at its end with its own
+    digits; the one-query layout is the same random draw."""
     T, n = 30, 2
-    tokens, mask = passkey(2, T, 1.0, 20, seed=4, num_digits=n, queries=3)
+    tokens, mask = passkey(4, T, 1.0, 20, seed=4, num_digits=n, queries=3)
     for row, m in zip(tokens, mask, strict=True):
-        assert row[5] == tasks.PASSKEY_KEY and (row == tasks.PASSKEY_KEY).sum() == 1
-        digits = row[6:8]
-        for e in (10, 20, 30):
-            assert row[e - n] == tasks.PASSKEY_QUERY
-            np.testing.assert_array_equal(row[e - n + 1 : e + 1], digits)
+        assert np.flatnonzero(row == tasks.PASSKEY_KEY).tolist() == [5, 15, 25]
+        assert np.flatnonzero(row == tasks.PASSKEY_QUERY).tolist() == [8, 18, 28]
+        for needle, e in ((5, 10), (15, 20), (25, 30)):
+            np.testing.assert_array_equal(row[e - n + 1 : e + 1], row[needle + 1 : needle + 1 + n])
         assert np.flatnonzero(m).tolist() == [8, 9, 18, 19, 28, 29]
+    segments = tokens[:, [6, 16, 26]]  # each segment's first digit: drawn per segment
+    assert (segments != segments[:, :1]).any()
     one, _ = passkey(2, T, 1.0, 20, seed=4, num_digits=n)  # queries=1: the one-query layout
     assert one[0, T - n] == tasks.PASSKEY_QUERY and (one[0] == tasks.PASSKEY_QUERY).sum() == 1
-    with pytest.raises(TaskError, match="queries"):
-        passkey(1, T, 0.5, 20, seed=0, num_digits=n, queries=7)  # segments of 4 < 2n + 1
+    with pytest.raises(TaskError, match="queries=7 leaves segments of 4 tokens"):
+        passkey(1, T, 0.5, 20, seed=0, num_digits=n, queries=7)  # 2n + 2 = 6 needed
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 1.0])

@@ -41,12 +41,15 @@ Passkey retrieval, with T = `seq_len`, n = `num_digits`, V = `vocab_size`:
                 query; the query QUERY d1..dn fills the last n + 1 tokens [T - n, T]
     answer_mask True exactly at t in [T - n, T - 1] (targets: the n answer digits)
 
-    With `queries` = Q > 1 (a denser task: Q answers a sequence instead of one) the sequence is
-    cut into Q segments ending at e_j = (j + 1) T // Q, and QUERY d1 .. dn fills the last n + 1
-    tokens [e_j - n, e_j] of each; the needle sits in the first segment, at
-    round(depth * (e_0 - 2n - 1)); answer_mask is True at the n digits of every query. Each query
-    is answered from the needle or from the query before it, T // Q tokens back: a dependency
-    of that length, Q times a sequence. Q = 1 is the layout above.
+    With `queries` = Q > 1 (a denser task: Q keys asked a sequence instead of one) the sequence
+    is cut into Q segments [s_j, e_j], e_j = (j + 1) T // Q and s_j = e_{j-1} + 1 (s_0 = 0), each
+    one passkey problem of its own: its own digits, its needle at
+    s_j + round(depth_j * (e_j - s_j - 2n - 1)) (depth -1: a depth per segment), QUERY d1 .. dn
+    in its last n + 1 tokens [e_j - n, e_j]; answer_mask is True at the n digits of every query.
+    The state must recall the latest key over the earlier ones: Q answers a sequence, each from
+    up to T / Q tokens back, with Q times the keys a step trains on (a tiny model trained from
+    scratch on one key per long sequence sees too few keys to leave chance). Q = 1 is the layout
+    above, drawn from the same random numbers.
 
 Both validate their parameters and raise `TaskError` (a ValueError) naming the field.
 """
@@ -143,8 +146,8 @@ def passkey(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Passkey batch: (tokens [B, T + 1] int32, answer_mask [B, T] bool); layout in the module
     doc. `depth` in [0, 1]: where the needle sits in the filler (0 start, 1 end); -1: every
-    sequence draws its own depth uniformly from [0, 1] (to train on all depths). `queries`:
-    how many times the key is asked, at the ends of equal segments."""
+    sequence (each segment) draws its own depth uniformly from [0, 1] (to train on all depths).
+    `queries`: how many keys a sequence asks, one per segment, each at its segment's end."""
     B = _check_int("batch_size", batch_size, 1)
     T = _check_int("seq_len", seq_len, 2)
     n = _check_int("num_digits", num_digits, 1)
@@ -155,27 +158,26 @@ def passkey(
         and depth != -1
     ):
         raise TaskError(f"depth must lie in [0, 1] (or be -1: random per sequence), got {depth!r}")
-    ends = [(j + 1) * T // Q for j in range(Q)]  # e_j: each query's last token
-    if ends[0] < 2 * n + 1:
+    ends = np.array([(j + 1) * T // Q for j in range(Q)])  # e_j: each query's last token
+    starts = np.concatenate([[0], ends[:-1] + 1])  # s_j: each segment's first token
+    if (ends - starts).min() < 2 * n + 1:
         raise TaskError(
-            f"seq_len must be >= queries * (2 * num_digits + 1) = {Q * (2 * n + 1)} (needle and "
-            f"query in each of {Q} segment(s)), got {T}"
+            f"seq_len {T} with queries={Q} leaves segments of {(ends - starts).min() + 1} tokens; "
+            f"each needs 2 * num_digits + 2 = {2 * n + 2} (its needle and its query)"
         )
     rng = _rng(seed)
     tokens = rng.integers(PASSKEY_FILLER0, V, size=(B, T + 1), dtype=np.int32)
-    digits = rng.integers(0, 10, size=(B, n)).astype(np.int32) + PASSKEY_DIGIT0
-    if depth == -1:  # one depth per row
-        starts = [passkey_position(ends[0], d, n) for d in rng.uniform(0.0, 1.0, size=B)]
-    else:
-        starts = [passkey_position(ends[0], depth, n)] * B
-    rows = np.arange(B)[:, None]  # [B, 1]
-    needle = np.asarray(starts)[:, None] + np.arange(n + 1)  # [B, n + 1]: KEY d1 .. dn
-    tokens[rows, needle] = np.concatenate([np.full((B, 1), PASSKEY_KEY, np.int32), digits], 1)
-    mask = np.zeros((B, T), bool)
-    for e in ends:  # QUERY d1 .. dn in [e - n, e]; the targets of [e - n, e - 1] are the digits
-        tokens[:, e - n] = PASSKEY_QUERY
-        tokens[:, e - n + 1 : e + 1] = digits
-        mask[:, e - n : e] = True
+    digits = rng.integers(0, 10, size=(B, Q, n)).astype(np.int32) + PASSKEY_DIGIT0
+    depths = rng.uniform(0.0, 1.0, size=(B, Q)) if depth == -1 else np.full((B, Q), depth)
+    room = ends - starts - 2 * n - 1  # [Q]: the needle's positions in a segment, less one
+    needles = starts + np.rint(depths * room).astype(int)  # [B, Q]: each needle's KEY token
+    rows = np.arange(B)[:, None, None]  # [B, 1, 1]
+    key_and_digits = np.concatenate([np.full((B, Q, 1), PASSKEY_KEY, np.int32), digits], 2)
+    tokens[rows, needles[..., None] + np.arange(n + 1)] = key_and_digits  # KEY d1 .. dn
+    tokens[:, ends - n] = PASSKEY_QUERY  # QUERY d1 .. dn in [e_j - n, e_j]
+    tokens[rows, (ends - n + 1)[:, None] + np.arange(n)] = digits
+    mask = np.zeros((B, T), bool)  # the targets of [e_j - n, e_j - 1] are the digits
+    mask[:, ((ends - n)[:, None] + np.arange(n)).ravel()] = True
     return tokens, mask
 
 
