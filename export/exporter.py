@@ -204,7 +204,7 @@ def hf_config(
 ) -> dict:
     """config.json contents: every LaplaceConfig field plus what HF/vLLM look for."""
     return {
-        "architectures": ["LaplaceForCausalLM"],
+        "architectures": [cfg.architecture],
         "model_type": "laplace",
         **cfg.to_dict(),
         "layer_types": cfg.layer_types,  # each layer's kind, as hybrid models' configs name it

@@ -182,6 +182,21 @@ class LaplaceConfig:
         per_token = self.n_heads * (self.d_k + self.d_v) * dtype_bytes
         return self.n_kv_layers * per_token * n_tokens
 
+    @property
+    def kv_page_head_size(self) -> int:
+        """An attention layer's head size on vLLM's paged KV cache: max(d_k, d_v) rounded up to
+        a multiple of 32, one size for keys and values (vLLM's CPU attention backend takes one
+        head size, from 32 up; multiples of 32 are sizes every vLLM backend takes). Keys and
+        values are zero-padded to it, which changes no dot product and no output column:
+        192 for 3B (keys 96 -> 192), 32 for tiny (keys 8, values 16)."""
+        return -(-max(self.d_k, self.d_v) // 32) * 32
+
+    @property
+    def architecture(self) -> str:
+        """config.json's architecture, the model class vLLM serves it with: a hybrid is its own
+        architecture there (vLLM reads "attention-free" and "hybrid" from the class)."""
+        return "LaplaceHybridForCausalLM" if self.attention_every else "LaplaceForCausalLM"
+
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

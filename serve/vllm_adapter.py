@@ -88,20 +88,6 @@ def state_budget_bytes() -> int:
     return int(float(gib) * 2**30)
 
 
-HYBRID_NOT_SERVED = (
-    "is a hybrid (attention_every={k}: softmax-attention layers among the GLA layers); vLLM "
-    "does not serve hybrids yet (their attention layers' paged KV cache is not built): run it "
-    "with the PyTorch model, serve.modeling_laplace.LaplaceForCausalLM (generate())"
-)
-
-
-def check_servable(model) -> None:
-    """ValueError naming the folder when vLLM cannot serve its model (a hybrid, for now)."""
-    k = _config(model).get("attention_every", 0)
-    if k:
-        raise ValueError(f"{model} " + HYBRID_NOT_SERVED.format(k=k))
-
-
 def default_max_num_seqs(model, budget_bytes: int | None = None) -> int:
     """The sequences whose state pages fit the budget, at most `MAX_DEFAULT_SEQS`:
 
@@ -134,9 +120,8 @@ def engine_kwargs(
 
     dtype None/"auto": the export's dtype; max_num_seqs None: `default_max_num_seqs` (halved
     with prefix caching). prefix_caching: vLLM's `align` mode with `PREFIX_BLOCK_SIZE` blocks;
-    off: one state page per sequence.
+    off: one state page per sequence. A hybrid's KV blocks start from `PREFIX_BLOCK_SIZE` too.
     """
-    check_servable(model)
     if prefix_caching and not max_num_seqs:  # align mode: up to 2 pages per running sequence
         max_num_seqs = max(1, default_max_num_seqs(model) // 2)
     kw = dict(
@@ -150,6 +135,12 @@ def engine_kwargs(
     )
     if prefix_caching:
         kw.update(mamba_cache_mode="align", block_size=PREFIX_BLOCK_SIZE)
+    if _config(model).get("attention_every"):
+        # a hybrid: vLLM raises the KV block from the size given until a block's keys and
+        # values take at least one state page's bytes, and pads every state page to a block
+        # (docs/design.md s13.4); from 32 tokens (not the CPU default of 128) the padding is
+        # at most 32 tokens' keys and values a page
+        kw["block_size"] = PREFIX_BLOCK_SIZE
     if max_model_len:
         kw["max_model_len"] = max_model_len
     return kw
@@ -228,15 +219,11 @@ def serve(args) -> None:
         str(ek["seed"]),
     ]
     if prefix:
-        argv += [
-            "--enable-prefix-caching",
-            "--mamba-cache-mode",
-            "align",
-            "--block-size",
-            str(ek["block_size"]),
-        ]
+        argv += ["--enable-prefix-caching", "--mamba-cache-mode", "align"]
     else:
         argv.append("--no-enable-prefix-caching")
+    if "block_size" in ek:
+        argv += ["--block-size", str(ek["block_size"])]
     if ek["enforce_eager"]:
         argv.append("--enforce-eager")
     if ek["skip_tokenizer_init"]:  # as offline: a folder without tokenizer.json takes token ids
@@ -323,10 +310,6 @@ def main(argv=None) -> int:
         help="extra argument passed to vLLM's server (repeatable)",
     )
     args = ap.parse_args(argv)
-    try:
-        check_servable(args.model)
-    except (OSError, ValueError) as e:
-        ap.error(str(e))
     prompts: list = list(args.prompt)
     prompts += [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt_ids]
     try:

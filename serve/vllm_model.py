@@ -48,11 +48,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     ReplicatedLinear,
@@ -82,6 +84,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import (
     HasInnerState,
     IsAttentionFree,
+    IsHybrid,
     SupportsMambaPrefixCaching,
 )
 from vllm.model_executor.models.utils import maybe_prefix
@@ -198,33 +201,8 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
             return self._profiling_tokens(h)
         N, H, dv = h.shape[0], self.n_heads, self.d_v
         td, n = meta.num_decode_tokens, meta.num_decode_tokens + meta.num_prefill_tokens
-        conv_pages, gla_pages = self.kv_cache
-        conv_state = conv_pages if is_conv_state_dim_first() else conv_pages.transpose(-1, -2)
-        w, b = self.conv_weight, self.conv_bias  # [D, W] (the exported layout is Mamba2's)
-        decode_only = meta.num_prefills == 0 and N == n  # the common step: no copies, no padding
-        if decode_only:
-            u = causal_conv1d_update(
-                h, conv_state, w, b, "silu", conv_state_indices=meta.state_indices_tensor_d
-            )  # [N, D] conv outputs
-        else:
-            u = torch.empty_like(h)
-            u[n:] = 0.0  # padding rows: zero inputs to the projection
-        if meta.num_decodes and not decode_only:
-            u[:td] = causal_conv1d_update(
-                h[:td], conv_state, w, b, "silu", conv_state_indices=meta.state_indices_tensor_d
-            )
-        if meta.num_prefills:
-            u[td:n] = causal_conv1d_fn(
-                h[td:n].transpose(0, 1),  # [D, T_p]: the layout the conv kernels take
-                w,
-                b,
-                conv_states=conv_state,
-                query_start_loc=meta.query_start_loc_p,
-                cache_indices=meta.state_indices_tensor_p,
-                has_initial_state=meta.has_initial_states_p,
-                activation="silu",
-                metadata=meta,
-            ).transpose(0, 1)
+        gla_pages = self.kv_cache[1]
+        u = self.convolve_pages(h, meta)  # [N, D]
         qkvg = self.qkvg_proj(u)  # [N, qkvg_dim]
         q, k, v, _ = self.split(qkvg[:n])
         if qkvg.dtype != f32:  # the GLA in fp32 whatever the activations' dtype
@@ -269,12 +247,44 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
             )  # [P, H, dv, dk] final states
         return qkvg, o
 
+    def convolve_pages(self, h: torch.Tensor, meta: Mamba2AttentionMetadata) -> torch.Tensor:
+        """SiLU(causal depth-wise conv) of the step's tokens h [N, D] -> u [N, D] (zeros on
+        padding rows), each sequence continuing its conv window page, which the kernels update
+        in place: decodes through `causal_conv1d_update`, prefills through `causal_conv1d_fn`
+        (varlen; from the page when `has_initial_states_p` says the sequence has a past)."""
+        N = h.shape[0]
+        td, n = meta.num_decode_tokens, meta.num_decode_tokens + meta.num_prefill_tokens
+        conv_pages = self.kv_cache[0]
+        conv_state = conv_pages if is_conv_state_dim_first() else conv_pages.transpose(-1, -2)
+        w, b = self.conv_weight, self.conv_bias  # [D, W] (the exported layout is Mamba2's)
+        if meta.num_prefills == 0 and N == n:  # the common step: decodes only, no padding
+            return causal_conv1d_update(
+                h, conv_state, w, b, "silu", conv_state_indices=meta.state_indices_tensor_d
+            )
+        u = torch.empty_like(h)
+        u[n:] = 0.0  # padding rows: zero inputs to the projection
+        if meta.num_decodes:
+            u[:td] = causal_conv1d_update(
+                h[:td], conv_state, w, b, "silu", conv_state_indices=meta.state_indices_tensor_d
+            )
+        if meta.num_prefills:
+            u[td:n] = causal_conv1d_fn(
+                h[td:n].transpose(0, 1),  # [D, T_p]: the layout the conv kernels take
+                w,
+                b,
+                conv_states=conv_state,
+                query_start_loc=meta.query_start_loc_p,
+                cache_indices=meta.state_indices_tensor_p,
+                has_initial_state=meta.has_initial_states_p,
+                activation="silu",
+                metadata=meta,
+            ).transpose(0, 1)
+        return u
+
     def _profiling_tokens(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`state_tokens` without pages (vLLM's profiling run): one sequence from zero states,
         through the PyTorch kernels."""
-        zero_conv = h.new_zeros(1, *self.config.conv_state_shape, dtype=f32)
-        u = causal_conv(h[None], zero_conv, self.conv_weight, self.conv_bias)[0][0]
-        qkvg = self.qkvg_proj(u)
+        qkvg = self.qkvg_proj(self._profiling_conv(h))
         q, k, v, _ = self.split(qkvg)
         zero_gla = h.new_zeros(1, *self.config.gla_state_shape, dtype=f32)
         log_decay = self.log_decay_f32(h.device)
@@ -282,6 +292,11 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
             q[None], k[None], v[None], log_decay, zero_gla, self.scale, self.chunk_size
         )
         return qkvg, o[0]
+
+    def _profiling_conv(self, h: torch.Tensor) -> torch.Tensor:
+        """The conv outputs u [N, D] of one sequence from a zero window (the profiling run)."""
+        zero_conv = h.new_zeros(1, *self.config.conv_state_shape, dtype=f32)
+        return causal_conv(h[None], zero_conv, self.conv_weight, self.conv_bias)[0][0]
 
     def _metadata(self) -> Mamba2AttentionMetadata | None:
         """This layer's `Mamba2AttentionMetadata` of the step (None: the profiling run), built
@@ -300,6 +315,42 @@ def _ones(meta, part: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.
     if ones is None:
         ones = meta.__dict__[key] = like.new_ones(shape)
     return ones
+
+
+class LaplaceVLLMAttentionMixer(LaplaceVLLMMixer):
+    """A hybrid's attention layer (docs/design.md s13.4): LaplaceMixer with step 4 vLLM's
+    `Attention` on its paged KV cache (causal, no positional encoding, scale qk_scale, one head
+    size `kv_page_head_size` for keys and values, zero-padded to it). The conv window is still
+    a state: the layer keeps the GLA layers' state pages (so every state layer shares one page
+    spec and one KV-cache group) and uses their conv window only; its GLA page is never read.
+    """
+
+    def __init__(self, config: LaplaceConfig, prefix: str):
+        super().__init__(config, prefix)
+        self.head_size = config.kv_page_head_size
+        self.attn = Attention(
+            config.n_heads,
+            self.head_size,
+            self.scale,
+            num_kv_heads=config.n_heads,
+            cache_config=get_current_vllm_config().cache_config,
+            prefix=f"{prefix}.attn",
+        )
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, D]
+        qkvg = torch.ops.vllm.laplace_mixer_conv(h, self.prefix)  # [N, qkvg_dim]
+        q, k, v, g = self.split(qkvg)  # [N, H, dk], [N, H, dk], [N, H, dv], [N, H dv]
+        pad = lambda x: F.pad(x, (0, self.head_size - x.shape[-1])).flatten(1)  # noqa: E731
+        o = self.attn(pad(q), pad(k), pad(v))  # [N, H hs]
+        o = o.view(-1, self.n_heads, self.head_size)[..., : self.d_v].to(f32)  # [N, H, dv]
+        return self.output(o, q, k, v, g)
+
+    def conv_tokens(self, h: torch.Tensor) -> torch.Tensor:
+        """The step's tokens h [N, D] -> the fused projection of their conv outputs
+        [N, qkvg_dim], each sequence continuing its conv window page."""
+        meta = self._metadata()
+        u = self._profiling_conv(h) if meta is None else self.convolve_pages(h, meta)
+        return self.qkvg_proj(u)
 
 
 # The state step as a custom op (vLLM's own state layers are registered the same way): a
@@ -322,6 +373,22 @@ direct_register_custom_op(
 )
 
 
+def laplace_mixer_conv(h: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return get_forward_context().no_compile_layers[layer_name].conv_tokens(h)
+
+
+def _laplace_mixer_conv_fake(h: torch.Tensor, layer_name: str):
+    layer = get_forward_context().no_compile_layers[layer_name]
+    return h.new_empty(h.shape[0], layer.config.qkvg_dim)
+
+
+direct_register_custom_op(
+    op_name="laplace_mixer_conv",
+    op_func=laplace_mixer_conv,
+    fake_impl=_laplace_mixer_conv_fake,
+)
+
+
 class LaplaceVLLMMLP(nn.Module):
     """LaplaceMLP's math on vLLM's MLP layers (as vLLM's LlamaMLP): the fused [W_1; W_2] as one
     `MergedColumnParallelLinear` (the exported tensor is fused), vLLM's `SiluAndMul` (its C++
@@ -339,10 +406,11 @@ class LaplaceVLLMMLP(nn.Module):
 
 
 class LaplaceVLLMDecoderLayer(nn.Module):
-    def __init__(self, config: LaplaceConfig, prefix: str):
+    def __init__(self, config: LaplaceConfig, mixer: str, prefix: str):
         super().__init__()
         self.ln_1 = LaplaceLayerNorm(config.d_model, config.norm_eps)
-        self.mixer = LaplaceVLLMMixer(config, prefix=f"{prefix}.mixer")
+        Mixer = LaplaceVLLMAttentionMixer if mixer == "attention" else LaplaceVLLMMixer
+        self.mixer = Mixer(config, prefix=f"{prefix}.mixer")
         self.ln_2 = LaplaceLayerNorm(config.d_model, config.norm_eps)
         self.mlp = LaplaceVLLMMLP(config, prefix=f"{prefix}.mlp")
 
@@ -361,8 +429,8 @@ class LaplaceVLLMModel(nn.Module):
             config.vocab_size, config.d_model, prefix=maybe_prefix(prefix, "embed_tokens")
         )
         self.layers = nn.ModuleList(
-            LaplaceVLLMDecoderLayer(config, prefix=maybe_prefix(prefix, f"layers.{i}"))
-            for i in range(config.n_layers)
+            LaplaceVLLMDecoderLayer(config, mixer, prefix=maybe_prefix(prefix, f"layers.{i}"))
+            for i, mixer in enumerate(config.layer_mixers)
         )
         self.norm = LaplaceLayerNorm(config.d_model, config.norm_eps)
 
@@ -378,15 +446,20 @@ class LaplaceVLLMModel(nn.Module):
         return self.norm(x)
 
 
-class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching):
-    """Registered as architecture `LaplaceForCausalLM` (serve/vllm_plugin.py).
+class _LaplaceVLLMCausalLM(nn.Module, HasInnerState, SupportsMambaPrefixCaching):
+    """Laplace on vLLM: the pure model (`LaplaceVLLMForCausalLM`, attention-free) and the
+    hybrid (`LaplaceHybridVLLMForCausalLM`) differ only in what they declare to vLLM.
 
     Prefix caching (vLLM's `align` mode, `--enable-prefix-caching`): vLLM keeps a sequence's
     running state in the page of the block holding its last token and copies it to the next
     block's page when a step crosses a block boundary; the page left behind at a prompt's last
     block boundary stays cached under that prefix's hash. On a hit vLLM copies the cached page
     into the new sequence's running page, and the mixer continues from it (seq_len > query_len).
+    A hybrid's attention layers keep their keys and values in vLLM's KV blocks of the same
+    prefix, as vLLM's own hybrids do.
     """
+
+    hybrid = False  # the architecture's kind of config: attention_every = 0 or > 0
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
@@ -411,11 +484,12 @@ class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree, Supports
                 "every head (serve replicas with --data-parallel-size instead)"
             )
         config = vllm_config.model_config.hf_config.laplace_config
-        if config.attention_every:
-            from serve.vllm_adapter import HYBRID_NOT_SERVED
-
-            model = vllm_config.model_config.model
-            raise ValueError(f"{model} " + HYBRID_NOT_SERVED.format(k=config.attention_every))
+        if bool(config.attention_every) != self.hybrid:
+            raise ValueError(
+                f"{vllm_config.model_config.model}: attention_every={config.attention_every} is "
+                f"served as architecture {config.architecture}, not "
+                f"{vllm_config.model_config.architecture} (config.json's architectures)"
+            )
         self.config = config
         self.model = LaplaceVLLMModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(
@@ -451,3 +525,17 @@ class LaplaceVLLMForCausalLM(nn.Module, HasInnerState, IsAttentionFree, Supports
                 getattr(param, "weight_loader", default_weight_loader)(param, w)
         names.check_tensors(self.config, got, side="vLLM load_weights")
         return set(got)
+
+
+class LaplaceVLLMForCausalLM(_LaplaceVLLMCausalLM, IsAttentionFree):
+    """Registered as architecture `LaplaceForCausalLM` (serve/vllm_plugin.py): every layer a
+    GLA layer, one state page per sequence and layer, no KV cache."""
+
+
+class LaplaceHybridVLLMForCausalLM(_LaplaceVLLMCausalLM, IsHybrid):
+    """Registered as architecture `LaplaceHybridForCausalLM`: GLA layers on state pages and
+    attention layers on vLLM's paged KV cache; vLLM's hybrid KV-cache manager sizes the
+    attention block so that one block of keys and values takes at least one state page's bytes
+    and pads the state pages to it (docs/design.md s13.4)."""
+
+    hybrid = True

@@ -28,7 +28,12 @@ else:  # set by the caller (or by the run that started this one): theirs to keep
     _OWN_CACHE = None
 
 import shared_fixtures  # noqa: E402
-from shared_fixtures import replica_server, tiny_export, vllm_engine  # noqa: E402, F401
+from shared_fixtures import (  # noqa: E402, F401
+    replica_server,
+    tiny_export,
+    tiny_hybrid_export,
+    vllm_engine,
+)
 
 
 def pytest_collection_finish(session):

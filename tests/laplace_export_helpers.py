@@ -93,12 +93,12 @@ def make_run(run_dir: Path, cfg, params) -> Path:
     return run_dir
 
 
-def export_tiny(root: Path, seed: int):
+def export_tiny(root: Path, seed: int, attention_every: int = 0):
     """(cfg, params, export folder): the tiny model with random weights, exported with its
-    tokenizer under `root` (what the vLLM tests serve)."""
+    tokenizer under `root` (what the vLLM tests serve); attention_every=k: the tiny hybrid."""
     from export import exporter
 
-    cfg = tiny_config()
+    cfg = tiny_config().replace(attention_every=attention_every)
     params = random_params(cfg, seed=seed)
     tok = write_tokenizer(root / "tok", cfg.vocab_size)
     out = exporter.export_model(cfg, params, root / "model", tokenizer_dir=tok, max_len=1024)

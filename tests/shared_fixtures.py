@@ -95,6 +95,13 @@ def tiny_export(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_hybrid_export(tmp_path_factory):
+    """(cfg, params, folder): the tiny hybrid (attention_every=2: a GLA layer, then an attention
+    layer) with random weights, exported like `tiny_export`."""
+    return export_tiny(tmp_path_factory.mktemp("tiny_hybrid"), seed=4, attention_every=2)
+
+
+@pytest.fixture(scope="session")
 def vllm_engine(tiny_export):
     """vLLM's offline engine on the export with the adapter's defaults (eager, fp32, no prefix
     caching), max_num_seqs 8."""

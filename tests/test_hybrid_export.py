@@ -1,7 +1,7 @@
 """A hybrid (`attention_every=2`: a GLA layer, then an attention layer) from JAX to the exported
 folder and the PyTorch model: its config and tensors, its logits against the JAX model's, its
-state (the attention layer's keys and values) carried through decoding and `generate()`, and
-vLLM's refusal, which names what to use instead.
+state (the attention layer's keys and values) carried through decoding and `generate()`
+(vLLM's form: tests/test_hybrid_vllm.py).
 
 Truths: the JAX model (`LaplaceLM.apply`, and `laplace_jax.generate.greedy_generate`, which
 recomputes the whole sequence for every token of a model with attention layers) and the
@@ -16,7 +16,6 @@ import jax
 import numpy as np
 import pytest
 import torch
-from laplace_export_helpers import random_params, tiny_config, write_tokenizer
 
 from laplace_jax.generate import greedy_generate as jax_greedy
 from laplace_jax.model import LaplaceLM
@@ -28,15 +27,9 @@ N_NEW = 12
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
+def hybrid(tiny_hybrid_export):
     """(cfg, params, exported folder) of the tiny hybrid with random weights."""
-    from export import exporter
-
-    cfg = tiny_config().replace(attention_every=2)
-    params = random_params(cfg, seed=4)
-    root = tmp_path_factory.mktemp("hybrid")
-    tok = write_tokenizer(root / "tok", cfg.vocab_size)
-    return cfg, params, exporter.export_model(cfg, params, root / "model", tokenizer_dir=tok)
+    return tiny_hybrid_export
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +41,7 @@ def test_the_export_carries_the_layer_types_and_every_tensor(hybrid):
     cfg, _, folder = hybrid
     conf = json.loads((folder / "config.json").read_text())
     assert conf["attention_every"] == 2
+    assert conf["architectures"] == ["LaplaceHybridForCausalLM"]  # vLLM's hybrid class
     assert conf["layer_types"] == ["linear_attention", "full_attention"]
     assert LaplaceHFConfig.from_dict(conf).laplace_config == cfg
     with pytest.raises(ValueError, match="layer_types"):
@@ -105,13 +99,3 @@ def test_greedy_tokens_equal_jax_and_generate(hybrid, model):
         input_ids=ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False, pad_token_id=0
     )
     assert out[:, T:].tolist() == want
-
-
-def test_vllm_refuses_a_hybrid_naming_the_pytorch_model(hybrid):
-    from serve import vllm_adapter
-
-    with pytest.raises(ValueError, match="attention_every=2.*serve.modeling_laplace"):
-        vllm_adapter.engine_kwargs(str(hybrid[2]))
-    with pytest.raises(SystemExit) as stop:
-        vllm_adapter.main(["--model", str(hybrid[2]), "--prompt", "the"])
-    assert stop.value.code == 2

@@ -287,6 +287,29 @@ def measured_state_bytes(llm) -> dict:
     return llm.collective_rpc(_state_page_bytes)[0]
 
 
+def _page_layout(worker) -> dict:
+    """Runs in the vLLM worker: each state layer's slot and each attention layer's block, in
+    bytes as laid out in vLLM's pages (the stride between slots / blocks: padding included)."""
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    out = {}
+    for name, m in worker.model_runner.model.named_modules():
+        if isinstance(m, MambaBase):
+            strides = {t.stride(0) * t.element_size() for t in m.kv_cache}
+            assert len(strides) == 1, f"{name}: its state tensors' slots differ: {strides}"
+            out[name] = {"kind": "state", "bytes": strides.pop()}
+        elif isinstance(m, Attention):
+            t = m.kv_cache  # [blocks, ...]
+            out[name] = {"kind": "kv", "bytes": t.stride(0) * t.element_size()}
+    return out
+
+
+def page_layout(llm) -> dict:
+    """{layer name: {"kind": "state" | "kv", "bytes": one slot's / block's bytes}}."""
+    return llm.collective_rpc(_page_layout)[0]
+
+
 def _conversation(llm, vocab, sz: Sizes, seed: int) -> tuple[list[dict], list[list[int]]]:
     """One conversation of `sz.turns` turns, one request at a time. Turn 1's prompt is
     `turn_first` random tokens; turn n+1's = turn n's prompt + its greedy reply (`turn_reply`
