@@ -607,6 +607,64 @@ def prefix() -> str:
     )
 
 
+def serve_hybrid() -> str:
+    d = load("serve_hybrid")
+    r, sb, sz = d["ratios"], d["shared_budget"], d["sizes"]
+    names = {"laplace": "Laplace", "llama": "Llama"}
+    names.update({k: f"hybrid, attention_every={k[6:]}" for k in sb["rounds"] if k[:6] == "hybrid"})
+    mem_rows = []
+    for name, mem in d["memory"].items():
+        for row in mem["contexts"]:
+            mem_rows.append(
+                [
+                    f"{names[name]}, {row['context']:,} tokens",
+                    f"{row['measured']['bytes']:,}",
+                    f"{row['computed']['layout']:,}",
+                    f"{row['computed']['unpadded']:,}",
+                    f"{row['laplace_state_bytes']:,}",
+                    f"{row['llama_kv_bytes']:,}",
+                ]
+            )
+    head = ["sequence", "bytes on vLLM's pages, measured", "computed (s13.4)", "unpadded"]
+    memory = table(head + ["Laplace's state", "Llama's KV (fp32)"], mem_rows)
+    budget_rows = []
+    for name, runs in sb["rounds"].items():
+        key = "" if name == "laplace" else f"_{name}"
+        over = r.get(f"over_llama_tokens_per_s_1280_requests{key}")
+        p2048 = r.get(f"over_llama_tokens_per_s_p2048_s{sz['long_seqs']}{key}")
+        budget_rows.append(
+            [
+                names[name],
+                f"{sb['median_tokens_per_s'][name]:,.0f}",
+                max(run["max_running"] for run in runs),
+                "1 (the reference)" if over is None else spread(over),
+                "1 (the reference)" if p2048 is None else spread(p2048),
+            ]
+        )
+    gib = sb["budget_bytes"] / 2**30
+    budget = table(
+        [
+            "engine (`small` width, random weights)",
+            f"{sb['requests']:,} requests in {gib:g} GiB: output tokens/s (median)",
+            "sequences at once",
+            f"over Llama (median of {len(sb['rounds']['llama'])} rounds, min to max)",
+            f"{sz['long_seqs']} x {sz['long_prompt']:,}-token prompts, over Llama "
+            f"({sz['rounds']} rounds)",
+        ],
+        budget_rows,
+    )
+    return (
+        f"`python -m bench.serve --hybrid` (`bench/results/serve_hybrid.json`, "
+        f"{minutes(d['seconds'])} on this project's {d['machine']['cores']}-core CPU machine):\n\n"
+        + memory
+        + "\n\n"
+        + budget
+        + f"\n\n{sb['requests']:,} requests of {sb['prompt_len']:,} + {sb['new_tokens']} tokens "
+        f"given at once to one engine at a time whose pages / KV cache hold exactly {gib:g} GiB "
+        f"(max_num_seqs {sb['max_num_seqs']:,} for all); the rounds alternate the engines' order."
+    )
+
+
 def retrieval_mqar() -> str:
     d = load("retrieval")
 
@@ -720,6 +778,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "long-context-passkey": long_context_passkey,
     "serve": serve,
     "serve-profile": serve_profile,
+    "serve-hybrid": serve_hybrid,
     "prefix": prefix,
     "retrieval-mqar": retrieval_mqar,
     "retrieval-sweep": retrieval_sweep,

@@ -5,6 +5,7 @@ side with a vLLM-served Llama of the same width, depth, FFN width and vocabulary
     python -m bench.serve --quick    # smaller sizes, minutes -> bench/results/serve_quick.json
     python -m bench.serve --budget-requests 640 --turns 5 ...   # any size (see --help)
     python -m bench.serve --profile  # the decode-step profile -> bench/results/serve_profile.json
+    python -m bench.serve --hybrid   # the hybrid rows -> bench/results/serve_hybrid.json
 
 Measured in one run (absolute CPU numbers are not comparable to the write-up's; ratios are):
 - output tokens/s vs concurrency (1, 8, 32, 64 sequences) at 64-token prompts (the original
@@ -53,6 +54,8 @@ This file is the run, in order; the parts are `bench/serving/`:
     phases.py      the side-by-side engines, prefix caching, the shared budget, the mid-size row
     headlines.py   the paired ratios, the headlines and the run's notes
     profile.py     `--profile`: decode step time against the layer count, a layer's GEMMs alone
+    hybrid.py      `--hybrid`: the hybrids beside Laplace and Llama (bytes per sequence, the
+                   shared budget, 2,048-token prompts)
     plot.py        the PNG beside the result
 The result is written by `bench.common.write_result` (the machine and library versions with it).
 
@@ -122,6 +125,7 @@ from pathlib import Path
 
 from bench.common import RESULTS, write_result
 from bench.serving.headlines import headlines, run_notes
+from bench.serving.hybrid import hybrid_headlines, run_hybrid
 from bench.serving.instrument import instrument_laplace
 from bench.serving.models import (
     export_laplace,
@@ -150,6 +154,8 @@ def main(argv=None) -> int:
     set_engine_environment()
     if args.profile:
         return profile_main(args, sz)
+    if args.hybrid:
+        return hybrid_main(args, sz)
     out = args.out or RESULTS / ("serve_quick.json" if args.quick else "serve.json")
     conversation = sz.turn_first + (sz.turns - 1) * (sz.turn_reply + sz.turn_message)
     max_len = max(
@@ -229,6 +235,22 @@ def profile_main(args, sz) -> int:
     path = write_result("serve_profile", headline, path=out, preset=PRESET, **result)
     print(json.dumps(headline, indent=2))
     print(f"wrote {path} ({result['seconds']:.0f} s)")
+    return 0
+
+
+def hybrid_main(args, sz) -> int:
+    """`--hybrid`: the hybrid rows alone -> bench/results/serve_hybrid.json (or --out)."""
+    t_start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_serve_hybrid_"))
+    results: dict = {"quick": args.quick, "sizes": dataclasses.asdict(sz), "preset": PRESET}
+    run_hybrid(get_config(PRESET), sz, tmp, results)
+    shutil.rmtree(tmp, ignore_errors=True)
+    headline = hybrid_headlines(results, sz)
+    results["seconds"] = time.perf_counter() - t_start
+    name = "serve_hybrid_quick" if args.quick else "serve_hybrid"
+    path = write_result(name, headline, path=args.out or RESULTS / f"{name}.json", **results)
+    print(json.dumps(headline, indent=2))
+    print(f"wrote {path} ({results['seconds']:.0f} s)")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Laplace for the unmodified vLLM engine (v1): an attention-free model with an inner state.
+"""Laplace for the unmodified vLLM engine (v1): an attention-free model with an inner state, and
+the hybrid (`attention_every=k`), whose attention layers also keep vLLM's paged KV cache.
 
 Written as vLLM's own state models are (`models/mamba2.py`, `layers/mamba/`): vLLM layers
 (`VocabParallelEmbedding`, `ReplicatedLinear`, `MergedColumnParallelLinear`,
@@ -36,6 +37,12 @@ the MLP.
 With prefix caching (vLLM's `align` mode) the state indices name the page of the block that
 holds each sequence's last token; vLLM copies states between pages itself (before the step, with
 the copy functions of `LaplaceVLLMForCausalLM.get_mamba_state_copy_func`), so the layer is the same.
+
+A hybrid's attention layer (`LaplaceVLLMAttentionMixer`) keeps its conv window on the same state
+pages and runs step 4 with vLLM's `Attention` on the KV cache (keys and values zero-padded to one
+head size, `kv_page_head_size`); the model class declares `IsHybrid`
+(`LaplaceHybridVLLMForCausalLM`, architecture `LaplaceHybridForCausalLM`), and vLLM's hybrid
+KV-cache manager pads every state page to one KV block (docs/design.md s13.4).
 
 The reference is `serve/modeling_laplace.py` (the mixer's and MLP's methods, the PyTorch kernels
 of `serve/kernels.py`); sizes and state shapes come from `laplace_spec.config`

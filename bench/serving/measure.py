@@ -305,6 +305,25 @@ def _page_layout(worker) -> dict:
     return out
 
 
+def _pool_bytes(worker) -> int:
+    """Runs in the vLLM worker: the bytes of the distinct buffers behind every layer's pages
+    (a hybrid's layers all view one buffer; vLLM's KV-cache config lists a tensor a layer)."""
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    buffers = {}
+    for m in worker.model_runner.model.modules():
+        if isinstance(m, (MambaBase, Attention)):
+            tensors = m.kv_cache if isinstance(m, MambaBase) else (m.kv_cache,)
+            for t in tensors:
+                buffers[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(buffers.values())
+
+
+def pool_bytes(llm) -> int:
+    return llm.collective_rpc(_pool_bytes)[0]
+
+
 def page_layout(llm) -> dict:
     """{layer name: {"kind": "state" | "kv", "bytes": one slot's / block's bytes}}."""
     return llm.collective_rpc(_page_layout)[0]

@@ -16,6 +16,7 @@ from bench.serving.measure import (
     interleaved_prefill,
     interleaved_throughput,
     measured_state_bytes,
+    pool_bytes,
     random_prompts,
     run_batch,
     staggered_vs_fixed,
@@ -150,7 +151,7 @@ def shared_budget_run(model_dir: Path, vocab: int, sz: Sizes, max_num_seqs: int)
         "kv_cache_memory_bytes": cc.kv_cache_memory_bytes,
         "num_blocks": kv.num_blocks,
         "block_size": cc.block_size,
-        "allocated_bytes": sum(t.size for t in kv.kv_cache_tensors),
+        "allocated_bytes": pool_bytes(llm),
         "vllm_max_concurrency": cc.kv_cache_max_concurrency,
     }
     run_batch(llm, random_prompts(2, 16, vocab, 0), 4)  # warm-up

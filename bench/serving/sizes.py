@@ -59,6 +59,9 @@ class Sizes:
     seed_prompt: int = 128
     seed_new_tokens: int = 128
     seed_budget_bytes: int = 2**30  # state pages / KV cache of each of its four engines
+    hybrid_every: tuple[int, ...] = (2, 4)  # --hybrid: the hybrids' attention_every
+    hybrid_contexts: tuple[int, ...] = (2048, 8192)  # --hybrid: bytes per sequence at these
+    hybrid_budget_rounds: int = 2  # --hybrid: alternating rounds of the shared budget runs
     profile_layers: tuple[int, ...] = (2, 4, 8)  # --profile: depths of the decode-step fit
     profile_seqs: tuple[int, ...] = (1, 8)  # --profile: sequences decoding at once
     profile_rounds: int = 7  # --profile: alternating rounds of timed windows per depth
@@ -91,6 +94,8 @@ QUICK = dataclasses.replace(
     mid_new_tokens=16,
     mid_rounds=1,
     seed_new_tokens=16,
+    hybrid_contexts=(512, 2048),
+    hybrid_budget_rounds=1,
 )
 
 
@@ -121,6 +126,11 @@ def parse_sizes(argv=None) -> tuple[argparse.Namespace, Sizes]:
         "--profile",
         action="store_true",
         help="only the decode-step profile (bench/serving/profile.py) -> serve_profile.json",
+    )
+    ap.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="only the hybrid rows (bench/serving/hybrid.py) -> serve_hybrid.json",
     )
     ap.add_argument("--out", type=Path, default=None, help="result JSON (a PNG beside it)")
     for f in dataclasses.fields(Sizes):
