@@ -665,6 +665,19 @@ def serve_hybrid() -> str:
     )
 
 
+def hybrid_parity() -> str:
+    d = load("hybrid_parity")
+    h, n, k = d["headline"], d["new_tokens"], len(d["prompts"])
+    fp32 = "equal on every prompt" if h["hybrid_greedy_equal_fp32"] == 1 else "not all equal"
+    return (
+        f"`python -m bench.hybrid_parity` (`bench/results/hybrid_parity.json`): the tiny hybrid "
+        f"trained {d['steps']} steps (loss {d['loss_first_last'][0]:.2f} -> "
+        f"{d['loss_first_last'][1]:.2f}), {k} prompts, {n} greedy tokens each: JAX, PyTorch, "
+        f"vLLM eager and vLLM compiled (fp32) {fp32}; bf16 vLLM and bf16 PyTorch agree on the "
+        f"first {h['hybrid_bf16_steps_equal_min']} of {n} steps of every prompt (the fewest)."
+    )
+
+
 def retrieval_mqar() -> str:
     d = load("retrieval")
 
@@ -779,6 +792,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "serve": serve,
     "serve-profile": serve_profile,
     "serve-hybrid": serve_hybrid,
+    "hybrid-parity": hybrid_parity,
     "prefix": prefix,
     "retrieval-mqar": retrieval_mqar,
     "retrieval-sweep": retrieval_sweep,
