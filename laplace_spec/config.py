@@ -186,7 +186,7 @@ class LaplaceConfig:
     def kv_page_head_size(self) -> int:
         """An attention layer's head size on vLLM's paged KV cache: max(d_k, d_v) rounded up to
         a multiple of 32, one size for keys and values (vLLM's CPU attention backend takes one
-        head size, from 32 up; multiples of 32 are sizes every vLLM backend takes). Keys and
+        head size, from 32 up, and takes every multiple of 32 to 256). Keys and
         values are zero-padded to it, which changes no dot product and no output column:
         192 for 3B (keys 96 -> 192), 32 for tiny (keys 8, values 16)."""
         return -(-max(self.d_k, self.d_v) // 32) * 32
