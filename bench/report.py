@@ -611,7 +611,9 @@ def serve_hybrid() -> str:
     d = load("serve_hybrid")
     r, sb, sz = d["ratios"], d["shared_budget"], d["sizes"]
     names = {"laplace": "Laplace", "llama": "Llama"}
-    names.update({k: f"hybrid, attention_every={k[6:]}" for k in sb["rounds"] if k[:6] == "hybrid"})
+    for k in sb["rounds"]:
+        if k.startswith("hybrid"):
+            names[k] = f"hybrid, attention_every={k.removeprefix('hybrid')}"
     mem_rows = []
     for name, mem in d["memory"].items():
         for row in mem["contexts"]:

@@ -169,3 +169,19 @@ def adapter_server(cmd, port: int, log_path: Path, env: dict, cwd, timeout: floa
         yield wait_for_server(proc, port, log_path, timeout), proc
     finally:
         stop_server(proc)
+
+
+def greedy_ids(llm, prompts, n: int, skip_cache: bool = False) -> list[tuple[list[int], int]]:
+    """vLLM's greedy tokens (n each) and cached prompt tokens of each prompt (token ids);
+    skip_cache: the requests do not read vLLM's prefix cache."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(
+        max_tokens=n,
+        temperature=0.0,
+        ignore_eos=True,
+        detokenize=False,
+        skip_reading_prefix_cache=skip_cache,
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.num_cached_tokens or 0) for o in outs]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from laplace_export_helpers import greedy_ids
 from shared_fixtures import set_vllm_env
 
 N_NEW = 24
@@ -52,21 +53,6 @@ def compiled(tiny_hybrid_export):
     del engine
 
 
-def _run(llm, prompts, n=N_NEW, skip_cache=False):
-    """Greedy tokens and cached prompt tokens of each prompt (token ids)."""
-    from vllm import SamplingParams
-
-    sp = SamplingParams(
-        max_tokens=n,
-        temperature=0.0,
-        ignore_eos=True,
-        detokenize=False,
-        skip_reading_prefix_cache=skip_cache,
-    )
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), o.num_cached_tokens or 0) for o in outs]
-
-
 def _reference(model, prompts, n=N_NEW):
     from serve.generation import greedy_generate
 
@@ -103,7 +89,7 @@ def test_greedy_equals_pytorch_in_64_token_prefill_chunks(eager, torch_model, ti
     PyTorch model's greedy tokens."""
     prompts = _prompts(0, (7, 19, 150, 300), tiny_hybrid_export[0].vocab_size)
     assert eager.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens == CHUNK
-    got = _run(eager, prompts, skip_cache=True)
+    got = greedy_ids(eager, prompts, N_NEW, skip_cache=True)
     assert [t for t, _ in got] == _reference(torch_model, prompts)
 
 
@@ -112,7 +98,7 @@ def test_compile_mode_one_piece_equals_pytorch(compiled, torch_model, tiny_hybri
     the eager engine's 64-token pieces)."""
     prompts = _prompts(0, (7, 19, 150, 300), tiny_hybrid_export[0].vocab_size)
     assert compiled.llm_engine.vllm_config.model_config.enforce_eager is False
-    got = _run(compiled, prompts)
+    got = greedy_ids(compiled, prompts, N_NEW)
     assert [t for t, _ in got] == _reference(torch_model, prompts)
 
 
@@ -126,8 +112,8 @@ def test_a_prefix_cache_hit_continues_like_a_cold_run(eager, torch_model, tiny_h
     rng = np.random.default_rng(3)
     prompt, prev = rng.integers(0, vocab, 100).tolist(), None
     for turn in range(3):
-        [(toks, cached)] = _run(eager, [prompt])
-        [(cold, none)] = _run(eager, [prompt], skip_cache=True)
+        [(toks, cached)] = greedy_ids(eager, [prompt], N_NEW)
+        [(cold, none)] = greedy_ids(eager, [prompt], N_NEW, skip_cache=True)
         assert toks == cold == _reference(torch_model, [prompt])[0], f"turn {turn + 1}"
         assert none == 0 and cached == (0 if prev is None else (len(prev) - 1) // B * B)
         prev, prompt = prompt, prompt + toks + rng.integers(0, vocab, 30).tolist()
@@ -143,8 +129,8 @@ def test_requests_beyond_the_kv_budget_queue_or_are_refused(eager, torch_model, 
     prompts = _prompts(5, [300] * 8, vocab)
     B = eager.llm_engine.vllm_config.cache_config.block_size
     assert 8 * -(-(300 + N_NEW) // B) > BLOCKS  # cannot all hold their keys at once
-    got = _run(eager, prompts, skip_cache=True)
+    got = greedy_ids(eager, prompts, N_NEW, skip_cache=True)
     assert [t for t, _ in got] == _reference(torch_model, prompts)
     with pytest.raises(VLLMValidationError, match="maximum context length is 1024"):
-        _run(eager, _prompts(6, [1100], vocab), 4)
-    assert _run(eager, prompts[:1], skip_cache=True) == got[:1]
+        greedy_ids(eager, _prompts(6, [1100], vocab), 4)
+    assert greedy_ids(eager, prompts[:1], N_NEW, skip_cache=True) == got[:1]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from laplace_export_helpers import adapter_server, free_port, post_json
+from laplace_export_helpers import adapter_server, free_port, greedy_ids, post_json
 from shared_fixtures import VLLM_ENV, set_vllm_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,20 +57,6 @@ def llm(exported):
     del engine
 
 
-def _run(llm, prompts, n, skip_cache=False):
-    from vllm import SamplingParams
-
-    sp = SamplingParams(
-        max_tokens=n,
-        temperature=0.0,
-        ignore_eos=True,
-        detokenize=False,
-        skip_reading_prefix_cache=skip_cache,
-    )
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), o.num_cached_tokens or 0) for o in outs]
-
-
 def _hits(llm) -> tuple[int, int]:
     m = {x.name: x.value for x in llm.get_metrics() if x.name.startswith("vllm:prefix_cache_")}
     return m["vllm:prefix_cache_hits"], m["vllm:prefix_cache_queries"]
@@ -96,8 +82,8 @@ def test_multi_turn_same_tokens_fewer_prefill_tokens(llm, exported, torch_model)
     hits0, _ = _hits(llm)
     computed, cached_total, prev = [], 0, None
     for turn in range(5):
-        [(toks, cached)] = _run(llm, [prompt], REPLY)
-        [(plain, none)] = _run(llm, [prompt], REPLY, skip_cache=True)
+        [(toks, cached)] = greedy_ids(llm, [prompt], REPLY)
+        [(plain, none)] = greedy_ids(llm, [prompt], REPLY, skip_cache=True)
         assert toks == plain == _reference(torch_model, prompt, REPLY), f"turn {turn + 1}"
         assert none == 0
         want = 0 if prev is None else (len(prev) - 1) // B * B  # prev's last checkpoint
@@ -119,7 +105,7 @@ def test_concurrent_conversations_and_a_diverging_history(llm, exported, torch_m
     rng = np.random.default_rng(12)
     convs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (70, 200)]
     for turn in range(3):
-        outs = _run(llm, convs, REPLY)
+        outs = greedy_ids(llm, convs, REPLY)
         for c, (toks, cached) in zip(convs, outs, strict=True):
             assert toks == _reference(torch_model, c, REPLY)
             assert turn == 0 or cached > 0
@@ -129,7 +115,7 @@ def test_concurrent_conversations_and_a_diverging_history(llm, exported, torch_m
         ]
     edited = list(convs[1])
     edited[100] = (edited[100] + 1) % cfg.vocab_size  # same first 100 tokens only
-    [(toks, cached)] = _run(llm, [edited], REPLY)
+    [(toks, cached)] = greedy_ids(llm, [edited], REPLY)
     assert cached <= 100 and toks == _reference(torch_model, edited, REPLY)
 
 
@@ -141,8 +127,8 @@ def test_resent_prompt_resumes_one_token_before_its_end(llm, exported, torch_mod
     cfg = exported[0]
     prompt = np.random.default_rng(14).integers(0, cfg.vocab_size, 3 * B + 1).tolist()
     want = _reference(torch_model, prompt, REPLY)
-    assert _run(llm, [prompt], REPLY) == [(want, 0)]
-    again = _run(llm, [prompt, [5]], REPLY)
+    assert greedy_ids(llm, [prompt], REPLY) == [(want, 0)]
+    again = greedy_ids(llm, [prompt, [5]], REPLY)
     assert again == [(want, 3 * B), (_reference(torch_model, [5], REPLY), 0)]
 
 

@@ -25,7 +25,7 @@ from bench.serving.measure import (
     page_layout,
     pool_bytes,
     random_prompts,
-    run_batch,
+    rotated,
 )
 from bench.serving.models import export_laplace, llama_kv_bytes_per_token, make_llama
 from bench.serving.phases import shared_budget_run
@@ -124,7 +124,7 @@ def run_hybrid(cfg: LaplaceConfig, sz: Sizes, tmp: Path, results: dict) -> None:
     }
     names = list(dirs)
     for r in range(sz.hybrid_budget_rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in rotated(names, r):
             print(f"shared budget, round {r + 1}: {name}", flush=True)
             budget["rounds"][name].append(shared_budget_run(dirs[name], vocab, sz, seqs))
     budget["median_tokens_per_s"] = {
@@ -137,7 +137,6 @@ def run_hybrid(cfg: LaplaceConfig, sz: Sizes, tmp: Path, results: dict) -> None:
         name: make_llm(str(d), max_model_len=max_len, max_num_seqs=sz.long_seqs)
         for name, d in dirs.items()
     }
-    run_batch(engines["laplace"], random_prompts(1, 8, vocab, 0), 2)
     results["throughput_p2048"] = {
         name: rows[0]
         for name, rows in interleaved_throughput(

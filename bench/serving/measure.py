@@ -272,14 +272,24 @@ def staggered_vs_fixed(llm, vocab, n_requests, prompt_len, new_tokens, every_ste
     return out
 
 
-def _state_page_bytes(worker) -> dict:
-    """Runs in the vLLM worker: bytes of one sequence's page in every state layer."""
+def _paged_layers(worker):
+    """Runs in the vLLM worker: (name, "state" | "kv", its page tensors) of every layer with
+    pages: the state layers' (conv window, GLA matrices) and the attention layers' KV cache."""
+    from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.layers.mamba.abstract import MambaBase
 
-    model = worker.model_runner.model
-    layers = [m for m in model.modules() if isinstance(m, MambaBase)]
-    per_seq = sum(sum(t[0].nbytes for t in m.kv_cache) for m in layers)
-    slots = layers[0].kv_cache[0].shape[0] if layers else 0
+    for name, m in worker.model_runner.model.named_modules():
+        if isinstance(m, MambaBase):
+            yield name, "state", tuple(m.kv_cache)
+        elif isinstance(m, Attention):
+            yield name, "kv", (m.kv_cache,)  # [blocks, ...]
+
+
+def _state_page_bytes(worker) -> dict:
+    """Runs in the vLLM worker: bytes of one sequence's page in every state layer."""
+    layers = [tensors for _, kind, tensors in _paged_layers(worker) if kind == "state"]
+    per_seq = sum(sum(t[0].nbytes for t in tensors) for tensors in layers)
+    slots = layers[0][0].shape[0] if layers else 0
     return {"layers": len(layers), "bytes_per_seq": per_seq, "slots": slots}
 
 
@@ -290,33 +300,22 @@ def measured_state_bytes(llm) -> dict:
 def _page_layout(worker) -> dict:
     """Runs in the vLLM worker: each state layer's slot and each attention layer's block, in
     bytes as laid out in vLLM's pages (the stride between slots / blocks: padding included)."""
-    from vllm.model_executor.layers.attention import Attention
-    from vllm.model_executor.layers.mamba.abstract import MambaBase
-
     out = {}
-    for name, m in worker.model_runner.model.named_modules():
-        if isinstance(m, MambaBase):
-            strides = {t.stride(0) * t.element_size() for t in m.kv_cache}
-            assert len(strides) == 1, f"{name}: its state tensors' slots differ: {strides}"
-            out[name] = {"kind": "state", "bytes": strides.pop()}
-        elif isinstance(m, Attention):
-            t = m.kv_cache  # [blocks, ...]
-            out[name] = {"kind": "kv", "bytes": t.stride(0) * t.element_size()}
+    for name, kind, tensors in _paged_layers(worker):
+        strides = {t.stride(0) * t.element_size() for t in tensors}
+        assert len(strides) == 1, f"{name}: its page tensors' slots differ: {strides}"
+        out[name] = {"kind": kind, "bytes": strides.pop()}
     return out
 
 
 def _pool_bytes(worker) -> int:
     """Runs in the vLLM worker: the bytes of the distinct buffers behind every layer's pages
     (a hybrid's layers all view one buffer; vLLM's KV-cache config lists a tensor a layer)."""
-    from vllm.model_executor.layers.attention import Attention
-    from vllm.model_executor.layers.mamba.abstract import MambaBase
-
-    buffers = {}
-    for m in worker.model_runner.model.modules():
-        if isinstance(m, (MambaBase, Attention)):
-            tensors = m.kv_cache if isinstance(m, MambaBase) else (m.kv_cache,)
-            for t in tensors:
-                buffers[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    buffers = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for _, _, tensors in _paged_layers(worker)
+        for t in tensors
+    }
     return sum(buffers.values())
 
 
