@@ -450,21 +450,28 @@ def serve() -> str:
             turns[0]["samples_ttft_s"]
         )
 
+    sizes = d["sizes"]
     rows = []
-    for mode, lap_key, llama_key, over in (
-        ("eager", "laplace", "llama", "over_llama_tokens_per_s"),
-        ("compiled", "laplace_compiled", "llama_compiled", "over_llama_compiled_tokens_per_s"),
+    for workload, key, levels, name in (
+        ("128-token prompts", "p128", sizes["levels"], "p128"),
+        (
+            f"agent: {sizes['agent_prompt']:,}-token history + {sizes['agent_new_tokens']} new",
+            "agent",
+            sizes["agent_levels"],
+            "agent8k",
+        ),
     ):
-        for level in d["sizes"]["levels"]:
-            seqs = f"{level} sequence" + ("s" if level > 1 else "")
-            rows.append(
-                [
-                    f"128-token prompts, {seqs}, {mode}",
-                    med(f"{lap_key}_throughput_p128", level),
-                    med(f"{llama_key}_throughput_p128", level),
-                    spread(r[f"{over}_p128_s{level}"]),
-                ]
-            )
+        for mode, suffix in (("eager", ""), ("compiled", "_compiled")):
+            for level in levels:
+                seqs = f"{level} sequence" + ("s" if level > 1 else "")
+                rows.append(
+                    [
+                        f"{workload}, {seqs}, {mode}",
+                        med(f"laplace{suffix}_throughput_{key}", level),
+                        med(f"llama{suffix}_throughput_{key}", level),
+                        spread(r[f"over_llama_tokens_per_s_{name}_s{level}{suffix}"]),
+                    ]
+                )
     n = d["sizes"]["long_seqs"]
     rows.append(
         [
@@ -517,8 +524,8 @@ def serve() -> str:
     rows = [[x[0], f"{x[1]:,.0f}", f"{x[2]:,.0f}", x[3]] for x in rows]
     levels = d["sizes"]["levels"]
 
-    def compiled_over_eager(who):
-        return ", ".join(f"{n}: {spread(r[f'compiled_over_eager_{who}_s{n}'])}" for n in levels)
+    def by_sequences(key, ns):  # "1: ratio (spread), 8: ..." of the ratios key.format(n=n)
+        return ", ".join(f"{n}: {spread(r[key.format(n=n)])}" for n in ns)
 
     st, pc = d["staggered"], d["prefix_cache"]
     kv_8k = next(m["llama_kv_bytes_fp32"] for m in d["memory_per_seq"] if m["context"] == 8192)
@@ -527,10 +534,17 @@ def serve() -> str:
     return (
         table(head, rows) + "\n\n"
         f"- Compile mode over eager, 128-token prompts, by sequences: Laplace "
-        f"{compiled_over_eager('laplace')}; Llama {compiled_over_eager('llama')}. Greedy "
+        f"{by_sequences('compiled_over_eager_laplace_s{n}', levels)}; Llama "
+        f"{by_sequences('compiled_over_eager_llama_s{n}', levels)}. Greedy "
         f"tokens of the compiled engines equal to the eager engines': Laplace "
         f"{d['laplace_compiled_greedy_equal_eager']:.0%}, Llama "
         f"{d['llama_compiled_greedy_equal_eager']:.0%}.\n"
+        f"- Compile mode over eager at the mid-size width ({d['seed']['shape']['d_model']:,} x "
+        f"{d['seed']['shape']['n_layers']} layers, where the layers are most of a step), "
+        f"{sizes['seed_prompt']}-token prompts + {sizes['seed_new_tokens']} new, by sequences, "
+        f"the four engines alive together: Laplace "
+        f"{by_sequences('compiled_over_eager_mid_s{n}_laplace', sizes['seed_levels'])}; Llama "
+        f"{by_sequences('compiled_over_eager_mid_s{n}_llama', sizes['seed_levels'])}.\n"
         f"- Decode phase of the shared budget: {sb['laplace']['decode_tokens_per_s']:,.0f} vs "
         f"{sb['llama']['decode_tokens_per_s']:,.0f} tokens/s, "
         f"{sb['laplace']['max_running']} vs {sb['llama']['max_running']} sequences at once "
