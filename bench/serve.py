@@ -11,7 +11,7 @@ Measured in one run (absolute CPU numbers are not comparable to the write-up's; 
 - output tokens/s vs concurrency (1, 8, 32, 64 sequences) at 64-token prompts (the original
   table) and at 128-token prompts (`over_llama_tokens_per_s_p128_s*`), the latter eager and in
   vLLM's compile mode (the adapter's `--compile`: `compiled_over_eager_laplace_s*`,
-  `over_llama_compiled_tokens_per_s_p128_s*`);
+  `over_llama_tokens_per_s_p128_s*_compiled`);
 - output tokens/s of 64 sequences with 2,048-token prompts (`over_llama_tokens_per_s_p2048_s64`);
 - the agent row: 1 and 8 sequences with an 8,192-token history (prompt) and 128 new tokens, eager
   and compiled (`over_llama_tokens_per_s_agent8k_s{1,8}[_compiled]`): the fixed state's case at
