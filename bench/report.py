@@ -472,7 +472,7 @@ def serve() -> str:
                         spread(r[f"over_llama_tokens_per_s_{name}_s{level}{suffix}"]),
                     ]
                 )
-    n = d["sizes"]["long_seqs"]
+    n = sizes["long_seqs"]
     rows.append(
         [
             f"{n} sequences, 2,048-token prompts, eager",
@@ -522,7 +522,7 @@ def serve() -> str:
         ]
     )
     rows = [[x[0], f"{x[1]:,.0f}", f"{x[2]:,.0f}", x[3]] for x in rows]
-    levels = d["sizes"]["levels"]
+    levels = sizes["levels"]
 
     def by_sequences(key, ns):  # "1: ratio (spread), 8: ..." of the ratios key.format(n=n)
         return ", ".join(f"{n}: {spread(r[key.format(n=n)])}" for n in ns)
