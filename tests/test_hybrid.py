@@ -91,6 +91,29 @@ def test_blockwise_attention_equals_the_definition_with_its_gradients():
     assert float(jnp.abs(grads[1][:, 32:]).max()) == 0.0  # later keys: never attended
 
 
+def test_blockwise_attention_memory_does_not_grow_with_the_key_blocks():
+    """Under the trainer's per-layer remat, the compiled backward's temporaries hold a fixed
+    number of key blocks: 8x the keys adds under a quarter of their bytes. (The form that let JAX
+    precompute every block's mask and laid the keys out block-major added 1.6x their bytes.)"""
+
+    def temporaries(Tk, Tq=512, H=2, K=8, V=16, block=64):
+        q, k, v = (
+            jax.ShapeDtypeStruct((1, T, H, d), jnp.float32) for T, d in ((Tq, K), (Tk, K), (Tk, V))
+        )
+        pos, doc = jnp.arange(Tk, dtype=jnp.int32), jnp.zeros((1, Tk), jnp.int32)
+
+        @jax.checkpoint
+        def loss(q, k, v):
+            o = blockwise_attention(q, k, v, pos[-Tq:], pos, doc[:, -Tq:], doc, 0.3, block)
+            return o.sum()
+
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    added_key_bytes = (8_192 - 1_024) * 2 * (8 + 16) * 4
+    assert temporaries(8_192) - temporaries(1_024) < added_key_bytes / 4
+
+
 @pytest.fixture(scope="module")
 def batch():
     """8 packed sequences [8, 65] with documents across slice edges, a mask, parameters."""
