@@ -88,11 +88,11 @@ def blockwise_attention(q, k, v, q_pos, k_pos, q_doc, k_doc, scale: float, block
 def _forward(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, block):
     b, Tq, H, _ = q.shape
     qh = q.transpose(0, 2, 1, 3).astype(f32) * scale  # [b, H, T_q, K]
-    keys = _padded(k, v, k_pos, k_doc, block)
+    *keys, nb = _padded(k, v, k_pos, k_doc, block)  # keys: the padded k, v, k_pos, k_doc
 
     def one_block(carry, j):  # the online softmax over block j of the keys
         m, denom, acc = carry  # [b, H, T_q], [b, H, T_q], [b, H, T_q, V]
-        kj, vj, pj, dj = _key_block(*keys[:4], j, block)
+        kj, vj, pj, dj = _key_block(*keys, j, block)
         s, allowed = _scores(qh, kj, q_pos, q_doc, pj, dj)
         m_new = jnp.maximum(m, jnp.where(allowed, s, _NEG).max(-1))
         p = jnp.where(allowed, jnp.exp(s - m_new[..., None]), 0.0)  # [b, H, T_q, blk]
@@ -107,7 +107,7 @@ def _forward(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, block):
         jnp.zeros((b, H, Tq), f32),
         jnp.zeros((b, H, Tq, V), f32),
     )
-    (m, denom, acc), _ = jax.lax.scan(one_block, init, jnp.arange(keys[4]))
+    (m, denom, acc), _ = jax.lax.scan(one_block, init, jnp.arange(nb))
     o = (acc / denom[..., None]).transpose(0, 2, 1, 3)  # [b, T_q, H, V]
     lse = m + jnp.log(denom)  # [b, H, T_q]: log sum_s exp(s_ts), what the backward recomputes with
     return o, (q, k, v, q_pos, k_pos, q_doc, k_doc, o, lse)
@@ -120,11 +120,11 @@ def _backward(scale, block, res, do):  # do: [b, T_q, H, V] fp32
     qh = q.transpose(0, 2, 1, 3).astype(f32) * scale  # [b, H, T_q, K]
     doh = do.astype(f32).transpose(0, 2, 1, 3)  # [b, H, T_q, V]
     delta = jnp.sum(doh * o.transpose(0, 2, 1, 3), -1)  # [b, H, T_q]: sum_v dO o = sum_s P dP
-    keys = _padded(k, v, k_pos, k_doc, block)
+    *keys, nb = _padded(k, v, k_pos, k_doc, block)  # keys: the padded k, v, k_pos, k_doc
 
     def one_block(carry, j):  # block j's dK, dV whole (every query at once), dQ summed
         dq, dk, dv = carry  # [b, H, T_q, K] fp32; dK, dV [b, nb blk, H, K|V] in the keys' dtype
-        kj, vj, pj, dj = _key_block(*keys[:4], j, block)
+        kj, vj, pj, dj = _key_block(*keys, j, block)
         s, allowed = _scores(qh, kj, q_pos, q_doc, pj, dj)
         p = jnp.where(allowed, jnp.exp(s - lse[..., None]), 0.0)  # the forward's softmax
         dvj = jnp.einsum("bhts,bhtv->bshv", p, doh)  # [b, blk, H, V]
@@ -137,7 +137,7 @@ def _backward(scale, block, res, do):  # do: [b, T_q, H, V] fp32
         return (dq, dk, dv), None
 
     init = (jnp.zeros((b, H, Tq, K), f32), jnp.zeros_like(keys[0]), jnp.zeros_like(keys[1]))
-    (dq, dk, dv), _ = jax.lax.scan(one_block, init, jnp.arange(keys[4]))
+    (dq, dk, dv), _ = jax.lax.scan(one_block, init, jnp.arange(nb))
     return (
         dq.transpose(0, 2, 1, 3).astype(q.dtype),
         dk[:, :Tk],
