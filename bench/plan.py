@@ -13,7 +13,7 @@ long sequence (peak memory, collectives by kind against their ideals, exchanges 
 census, modelled step time and cost per token against the recipe as run and against the recipe
 at the same number of micro-steps: `headline_notes` says what each key compares). The hybrid
 (s13, `attention_every=4`: one softmax-attention layer in four) is compiled at the recipe's
-length and layout and at the 32k and 128k rows' (`hybrid` in the JSON): its peak memory, census
+length and layout and at the 32k, 128k and 1m rows' (`hybrid` in the JSON): its peak memory, census
 and modelled cost per token against pure Laplace's at the same length, sequences, mesh and
 micro-batches (attention's quadratic FLOPs counted).
 """
@@ -34,7 +34,12 @@ LONG_CONTEXT = (
 
 # the hybrid's rows: (row, tokens per sequence, context devices, tokens per step), each compared
 # with pure Laplace's plan of the same shape (the recipe at 2k, the long rows above)
-HYBRID = (("2k", 2_048, 1, 524_288), ("32k", 32_768, 4, 524_288), ("128k", 131_072, 16, 524_288))
+HYBRID = (
+    ("2k", 2_048, 1, 524_288),
+    ("32k", 32_768, 4, 524_288),
+    ("128k", 131_072, 16, 524_288),
+    ("1m", 1_048_576, 64, 1_048_576),  # where the gathered keys stop fitting (docs/design.md s13.3)
+)
 HYBRID_EVERY = 4
 
 
