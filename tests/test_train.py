@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from shared_fixtures import START_ENV
-from xla_env import xla_flags
+from xla_env import DEVICES_PER_PROCESS, xla_flags
 
 from laplace_jax.model import LaplaceLM, abstract_params, init_params
 from laplace_jax.optim import OPTIMIZER_PRESETS, OptimizerConfig, learning_rate_schedule
@@ -413,11 +413,12 @@ def _start(args, devices=8, env=None):
 
 
 def _start_two_processes(args, port):
-    """The trainer as 2 JAX processes of 2 CPU devices each (jax.distributed on 127.0.0.1)."""
+    """The trainer as 2 JAX processes (jax.distributed on 127.0.0.1) of DEVICES_PER_PROCESS CPU
+    devices each."""
     return [
         _start(
             args,
-            devices=2,
+            devices=DEVICES_PER_PROCESS,
             env={
                 "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
                 "JAX_NUM_PROCESSES": "2",
