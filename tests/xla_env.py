@@ -13,7 +13,7 @@ COMPILE_FLAGS = ("--xla_backend_optimization_level=0",)
 # devices in each of two processes, XLA:CPU's Gloo collectives now and then delivered a message
 # of the wrong size mid-run (gloo's "Received data size doesn't match expected size. 10240 vs
 # 128", both processes aborting; every rank's log showed the same collectives in the same order),
-# in 2 of 8 runs of 40 steps here; with one device each, 0 of 25 runs of 40 steps.
+# in 2 of 9 runs of 40 steps here; with one device each, 0 of 25 runs of 40 steps.
 DEVICES_PER_PROCESS = 1
 
 
