@@ -143,8 +143,9 @@ def _killed(shards, run, kill_after, tmp_path):
     # nor the runtime's abort: the survivor's verdict comes before the service marks the dead
     # process (asking the service raced this line, about one run in six)
     assert "Terminating process" not in err0, err0[-3000:]
-    assert err0.strip().splitlines()[-1].startswith("lost peer:"), err0[-3000:]
-    return err0.strip().splitlines()[-1]
+    last = err0.strip().splitlines()[-1]
+    assert last.startswith("lost peer:"), err0[-3000:]
+    return last
 
 
 def _line(run, kill_after, newest):

@@ -17,10 +17,10 @@ list of live processes (`get_live_nodes`) changes only at that moment, so a surv
 asked it raced its own abort, and lost about one time in six here. (JAX's
 `jax_enable_recoverability` would keep the service from telling the others to fail; it is not
 used: the service calls it experimental, and with it the shutdown barrier at a run's end no
-longer waits for every process.) So the service's heartbeat timeout is set
-well beyond ours (`runtime_heartbeat_timeout_s`): the survivors' verdict and exit come first,
-and the runtime's abort stays as a backstop for a survivor that never reaches ours (one held in
-a collective that does not fail).
+longer waits for every process.) So the service's heartbeat timeout is set well beyond ours
+(`runtime_heartbeat_timeout_s`): the survivors' verdict and exit come first, and the runtime's
+abort stays as a backstop for a survivor that never reaches ours (one held in a collective that
+does not fail).
 
 While the counters are watched, Python's log records through absl (orbax's) are held back: a
 save in flight fails its commit barrier once a process is gone, and orbax's background thread
