@@ -30,7 +30,7 @@ def resolve_config(args, checkpoint_dir: Path, meta: dict | None):
     for where, d in candidates:
         d = d.get("model", d) if isinstance(d.get("model"), dict) else d
         fields = set(LaplaceConfig.__dataclass_fields__)
-        cfg = LaplaceConfig.from_dict({k: v for k, v in d.items() if k in fields})
+        cfg = LaplaceConfig.from_saved({k: v for k, v in d.items() if k in fields})
         print(f"config from {where}", file=sys.stderr)
         return cfg.with_overrides(args.override)
     raise ExportError(

@@ -27,7 +27,6 @@ sequence gets exactly what a separate run of it from an empty state gives it (fp
 from __future__ import annotations
 
 import functools
-import math
 
 import flax.linen as nn
 import jax
@@ -165,7 +164,7 @@ class DecoderLayer(nn.Module):
         B, T, D = x.shape
         H, dk, dv, F = cfg.n_heads, cfg.d_k, cfg.d_v, cfg.ffn_dim
         dtype = jnp.dtype(cfg.compute_dtype)
-        out_scale = 1.0 / math.sqrt(2 * cfg.n_layers)  # residual projections start small
+        out_scale = cfg.residual_init_scale  # residual projections start small
         sliced = self.context_axis is not None and not decode
 
         # 1-2. h = LayerNorm_1(x); u = SiLU(causal depth-wise conv(h))
@@ -286,7 +285,8 @@ class LaplaceLM(nn.Module):
                 "attention layers (token_mixer='attention' or attention_every) keep no recurrent "
                 "state: call the model on whole sequences, without `state`"
             )
-        x = self.embed(tokens).astype(jnp.dtype(cfg.compute_dtype))  # [B, T, D]
+        x = self.embed(tokens) * cfg.embed_multiplier  # [B, T, D], sqrt(D) E[token] (s2.2)
+        x = x.astype(jnp.dtype(cfg.compute_dtype))
         if layers is not None:  # the decoder layers run by the caller (FSDP: gathered weights)
             x, new_state = layers(x, reset), None
         else:

@@ -20,6 +20,9 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16")
 TOKEN_MIXERS = ("gla", "attention")
+# What the token embedding's output is multiplied by (docs/design.md s2.2, s13.5): sqrt(D)
+# ("sqrt_d_model", as Gemma does) or 1 ("one"); "auto" is sqrt(D) for a hybrid, 1 otherwise.
+EMBED_SCALES = ("auto", "sqrt_d_model", "one")
 FP32_BYTES = 4
 BF16_BYTES = 2
 # The serving limit an export declares by default (config.json's max_position_embeddings): the
@@ -60,6 +63,12 @@ class LaplaceConfig:
     # the same parameters, no positional encoding) and the other k - 1 are Laplace's. 0: every
     # layer is Laplace's (the default and the 3B recipe).
     attention_every: int = 0
+    # The embedding's output multiplier: "sqrt_d_model" scales it by sqrt(D), so the token's own
+    # identity reaches the layers at the size of the residual branches (docs/design.md s13.5:
+    # without it a hybrid's attention layer never learns a lookup); "one" leaves it; "auto" is
+    # sqrt(D) for a hybrid (attention_every > 0) and 1 for pure Laplace and the attention
+    # baseline, where the study found sqrt(D) slowed learning to recall.
+    embed_scale: str = "auto"
 
     def __post_init__(self):
         validate(self)
@@ -75,6 +84,20 @@ class LaplaceConfig:
     def qkvg_dim(self) -> int:
         """Output width of the fused W_qkvg: H (2 d_k + 2 d_v) (9,216 for 3B)."""
         return sum(self.qkvg_split)
+
+    @property
+    def embed_multiplier(self) -> float:
+        """The token embedding's output is multiplied by this (`embed_scale`): sqrt(D), or 1."""
+        scale = self.embed_scale
+        if scale == "auto":
+            scale = "sqrt_d_model" if self.attention_every else "one"
+        return math.sqrt(self.d_model) if scale == "sqrt_d_model" else 1.0
+
+    @property
+    def residual_init_scale(self) -> float:
+        """W_out's and W_3's initial std is their fan-in's ** -0.5 times this, 1 / sqrt(2 L): the
+        residual branches start small (docs/design.md s2.2)."""
+        return 1.0 / math.sqrt(2 * self.n_layers)
 
     @property
     def qk_scale(self) -> float:
@@ -213,6 +236,13 @@ class LaplaceConfig:
         return cls(**{k: _coerce(k, v) for k, v in d.items()})
 
     @classmethod
+    def from_saved(cls, d: dict[str, Any]) -> LaplaceConfig:
+        """A config a checkpoint or an export recorded: the fields it lacks were added after it
+        was written, and take the value that rebuilds the model it was (`SAVED_BEFORE`), not
+        today's default. Partial configs a user writes go through `from_dict` (defaults)."""
+        return cls.from_dict({**SAVED_BEFORE, **d}) if isinstance(d, dict) else cls.from_dict(d)
+
+    @classmethod
     def from_json(cls, text: str) -> LaplaceConfig:
         try:
             d = json.loads(text)
@@ -261,6 +291,8 @@ def validate(cfg: LaplaceConfig) -> None:
         raise ConfigError(f"t_min ({cfg.t_min}) must not exceed t_max ({cfg.t_max})")
     if cfg.compute_dtype not in DTYPES:
         raise ConfigError(f"compute_dtype must be one of {DTYPES}, got {cfg.compute_dtype!r}")
+    if cfg.embed_scale not in EMBED_SCALES:
+        raise ConfigError(f"embed_scale must be one of {EMBED_SCALES}, got {cfg.embed_scale!r}")
     if cfg.token_mixer not in TOKEN_MIXERS:
         raise ConfigError(f"token_mixer must be one of {TOKEN_MIXERS}, got {cfg.token_mixer!r}")
     k = cfg.attention_every
@@ -280,6 +312,10 @@ def validate(cfg: LaplaceConfig) -> None:
                 f"in blocks of {k}"
             )
 
+
+# Fields added after configs were first saved, with the value a saved config that lacks one meant
+# (the model it was trained as): `LaplaceConfig.from_saved`.
+SAVED_BEFORE: dict[str, Any] = {"embed_scale": "one"}
 
 _FIELD_TYPES = {
     f.name: {"int": int, "float": float, "str": str}[f.type]

@@ -41,8 +41,10 @@ class LaplaceHFConfig(PreTrainedConfig):
         tie_word_embeddings: bool = False,
         **kwargs,
     ):
-        # the model fields: defaults, int -> float coercion and validation from the dataclass
-        spec = LaplaceConfig.from_dict({k: kwargs.pop(k) for k in FIELDS if k in kwargs})
+        # the model fields: defaults, int -> float coercion and validation from the dataclass;
+        # fields given means a saved config.json, whose missing fields predate it (`from_saved`)
+        fields = {k: kwargs.pop(k) for k in FIELDS if k in kwargs}
+        spec = LaplaceConfig.from_saved(fields) if fields else LaplaceConfig()
         for name, value in spec.to_dict().items():
             setattr(self, name, value)
         given = kwargs.pop("layer_types", None)

@@ -314,6 +314,7 @@ class LaplaceModel(nn.Module):
     def __init__(self, config: LaplaceConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.embed_multiplier = config.embed_multiplier  # sqrt(D) or 1 (`embed_scale`)
         self.layers = nn.ModuleList(
             LaplaceDecoderLayer(config, LaplaceAttentionMixer(config) if m == "attention" else None)
             for m in config.layer_mixers
@@ -321,7 +322,8 @@ class LaplaceModel(nn.Module):
         self.norm = LaplaceLayerNorm(config.d_model, config.norm_eps)
 
     def forward(self, input_ids, state: LaplaceState):
-        x = self.embed_tokens(input_ids)  # [B, T, D]
+        e = self.embed_tokens(input_ids)  # [B, T, D]
+        x = (e.float() * self.embed_multiplier).to(e.dtype)  # scaled in fp32, as JAX does
         valid = state.valid  # a hybrid: the real tokens among the keys, these T appended
         if valid is not None:
             valid = torch.cat([valid, valid.new_ones(input_ids.shape)], 1)

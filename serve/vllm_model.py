@@ -435,6 +435,7 @@ class LaplaceVLLMModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.d_model, prefix=maybe_prefix(prefix, "embed_tokens")
         )
+        self.embed_multiplier = config.embed_multiplier  # sqrt(D) or 1 (`embed_scale`)
         self.layers = nn.ModuleList(
             LaplaceVLLMDecoderLayer(config, mixer, prefix=maybe_prefix(prefix, f"layers.{i}"))
             for i, mixer in enumerate(config.layer_mixers)
@@ -447,7 +448,8 @@ class LaplaceVLLMModel(nn.Module):
         positions: torch.Tensor,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        e = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        x = (e.float() * self.embed_multiplier).to(e.dtype)  # scaled in fp32, as JAX does
         for layer in self.layers:
             x = layer(x)
         return self.norm(x)

@@ -34,6 +34,7 @@ def test_small_preset_size():
         ({"t_min": 4096.0}, "t_min (4096.0) must not exceed t_max"),
         ({"n_heads": 16.0}, "n_heads must be int"),
         ({"compute_dtype": "float16"}, "compute_dtype must be one of"),
+        ({"embed_scale": "gemma"}, "embed_scale must be one of"),
     ],
 )
 def test_validation_names_the_problem(changes, message):
@@ -78,6 +79,25 @@ def test_overrides():
         get_config("tiny", ["n_layers"])
     with pytest.raises(ConfigError, match="must equal n_heads"):
         get_config("tiny", ["d_model=65"])
+
+
+def test_embed_scale_default_and_a_config_saved_before_it():
+    """ "auto" (every preset's) scales a hybrid's embedding by sqrt(D) and leaves pure Laplace's
+    (docs/design.md s13.5); a saved config without the field predates it and is the unscaled
+    model; a user's partial config is not a saved one and takes the default."""
+    for cfg in PRESETS.values():
+        assert cfg.embed_scale == "auto" and cfg.embed_multiplier == 1.0
+        hybrid = cfg.replace(attention_every=2)
+        assert hybrid.embed_multiplier == hybrid.d_model**0.5
+        assert cfg.replace(embed_scale="sqrt_d_model").embed_multiplier == cfg.d_model**0.5
+        assert hybrid.replace(embed_scale="one").embed_multiplier == 1.0
+    big = PRESETS["laplace-3b"].replace(attention_every=4)
+    assert big.embed_multiplier == pytest.approx(55.4256, abs=1e-4)
+    saved = {k: v for k, v in PRESETS["tiny"].to_dict().items() if k != "embed_scale"}
+    old = LaplaceConfig.from_saved({**saved, "attention_every": 2})
+    assert old.embed_scale == "one" and old.embed_multiplier == 1.0
+    assert LaplaceConfig.from_saved(PRESETS["tiny"].to_dict()) == PRESETS["tiny"]
+    assert LaplaceConfig.from_dict(saved) == PRESETS["tiny"]
 
 
 def test_frozen():

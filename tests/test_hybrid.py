@@ -128,15 +128,16 @@ def batch():
 
 
 def test_the_hybrid_is_its_gla_and_attention_layers_in_order(batch):
-    """The hybrid's logits equal pure Laplace's layer and the attention baseline's layer applied
-    by hand in the order gla, attention, gla, attention; and differ from pure Laplace's."""
+    """The hybrid's logits equal its embedding times sqrt(D), then pure Laplace's layer and the
+    attention baseline's layer applied by hand in the order gla, attention, gla, attention; and
+    differ from pure Laplace's."""
     tokens, _, params = batch
     tokens = tokens[:2, :-1]
     reset = reset_after_eot(tokens, EOT)
     logits, _ = LaplaceLM(HYBRID).apply({"params": params}, tokens, reset=reset)
 
     kinds = {"gla": TINY4, "attention": TINY4.replace(token_mixer="attention")}
-    x = params["embed"]["embedding"][tokens]
+    x = params["embed"]["embedding"][tokens] * TINY4.d_model**0.5  # a hybrid's sqrt(D) (s13.5)
     state = init_state(TINY4, 2)
     for i, kind in enumerate(["gla", "attention", "gla", "attention"]):
         layer = DecoderLayer(kinds[kind])

@@ -127,7 +127,7 @@ def params_from(path: str, model_cfg, abs_params) -> tuple[dict, Path]:
             step = reader.step(step)
             meta = reader.meta(step) or {}
             try:
-                saved = LaplaceConfig.from_dict(meta["model"])
+                saved = LaplaceConfig.from_saved(meta["model"])
             except (KeyError, TypeError, ValueError, ConfigError) as e:
                 raise RestoreError(f"--init-from {path}: no valid model config ({e})") from e
             differs = config_diff(

@@ -59,6 +59,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from laplace_spec.config import SAVED_BEFORE
+
 ITEMS = ("params", "opt_state", "data", "meta")
 
 # tensorstore status codes (the start of its error messages) that mean missing or undecodable data
@@ -170,6 +172,8 @@ def check_compatible(meta: dict, requested: dict[str, dict], where: str) -> None
         have = meta.get(section)
         if have is None:
             continue
+        if section == "model":  # fields added since it was saved: the values it was trained as
+            have = {**SAVED_BEFORE, **have}
         problems += [f"{section}.{d}" for d in config_diff(have, want)]
     if problems:
         raise ConfigMismatch(

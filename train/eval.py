@@ -173,7 +173,7 @@ def load_checkpoint(ckpt_dir: Path, step: int, mesh) -> tuple[LaplaceConfig, dic
             if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
                 raise EvalError(f"checkpoint {where} is corrupt: its meta holds no model config")
             try:
-                cfg = LaplaceConfig.from_dict(meta["model"])
+                cfg = LaplaceConfig.from_saved(meta["model"])
             except (ConfigError, TypeError, ValueError) as e:
                 raise EvalError(f"checkpoint {where}: its model config is invalid ({e})") from e
             shardings = param_shardings(cfg, mesh)
