@@ -238,9 +238,9 @@ class LaplaceConfig:
     @classmethod
     def from_saved(cls, d: dict[str, Any]) -> LaplaceConfig:
         """A config a checkpoint or an export recorded: the fields it lacks were added after it
-        was written, and take the value that rebuilds the model it was (`SAVED_BEFORE`), not
-        today's default. Partial configs a user writes go through `from_dict` (defaults)."""
-        return cls.from_dict({**SAVED_BEFORE, **d}) if isinstance(d, dict) else cls.from_dict(d)
+        was written, and take the value that rebuilds the model it was (`saved_before`). Partial
+        configs a user writes go through `from_dict` (today's defaults)."""
+        return cls.from_dict({**saved_before(d), **d}) if isinstance(d, dict) else cls.from_dict(d)
 
     @classmethod
     def from_json(cls, text: str) -> LaplaceConfig:
@@ -313,9 +313,14 @@ def validate(cfg: LaplaceConfig) -> None:
             )
 
 
-# Fields added after configs were first saved, with the value a saved config that lacks one meant
-# (the model it was trained as): `LaplaceConfig.from_saved`.
-SAVED_BEFORE: dict[str, Any] = {"embed_scale": "one"}
+def saved_before(saved: dict[str, Any]) -> dict[str, Any]:
+    """The fields added since configs were first saved, each with the value that rebuilds the
+    model a saved config lacking it was trained as: today's default where that is the same
+    model, so such a checkpoint resumes under today's defaults whenever it can
+    (`LaplaceConfig.from_saved`, train/checkpoint.py's resume check). `embed_scale`: a hybrid
+    saved before it had an unscaled embedding ("one"); for any other model "auto" is 1 too."""
+    return {"embed_scale": "one" if saved.get("attention_every") else "auto"}
+
 
 _FIELD_TYPES = {
     f.name: {"int": int, "float": float, "str": str}[f.type]

@@ -128,12 +128,16 @@ def test_config_mismatch_is_refused_naming_fields(tmp_path, states):
     assert "d_model" not in str(e.value)
     assert "nothing was changed" in str(e.value)
     check_compatible({"model": CFG.to_dict()}, {"model": CFG.to_dict()}, "x")  # no error
-    # a checkpoint saved before `embed_scale` existed is the unscaled form: it resumes as that
-    # form, and a run that asks for the scaled one is refused naming the field
+    # a checkpoint saved before `embed_scale` existed: pure Laplace is today's default model and
+    # resumes under it; a hybrid's embedding was unscaled, it resumes as embed_scale=one, and a
+    # run that asks for today's default is refused naming the field
     saved = {k: v for k, v in CFG.to_dict().items() if k != "embed_scale"}
-    check_compatible({"model": saved}, {"model": CFG.replace(embed_scale="one").to_dict()}, "x")
+    check_compatible({"model": saved}, {"model": CFG.to_dict()}, "x")
+    hybrid = CFG.replace(attention_every=2)
+    saved = {k: v for k, v in hybrid.to_dict().items() if k != "embed_scale"}
+    check_compatible({"model": saved}, {"model": hybrid.replace(embed_scale="one").to_dict()}, "x")
     with pytest.raises(ConfigMismatch, match="model.embed_scale: checkpoint 'one', requested"):
-        check_compatible({"model": saved}, {"model": CFG.to_dict()}, "x")  # "auto" != "one"
+        check_compatible({"model": saved}, {"model": hybrid.to_dict()}, "x")
     ckpt.close()
     assert _snapshot(tmp_path) == before
 

@@ -83,8 +83,9 @@ def test_overrides():
 
 def test_embed_scale_default_and_a_config_saved_before_it():
     """ "auto" (every preset's) scales a hybrid's embedding by sqrt(D) and leaves pure Laplace's
-    (docs/design.md s13.5); a saved config without the field predates it and is the unscaled
-    model; a user's partial config is not a saved one and takes the default."""
+    (docs/design.md s13.5); a saved hybrid config without the field predates it and is the
+    unscaled model, a pure one is today's; a user's partial config is not a saved one and takes
+    the default."""
     for cfg in PRESETS.values():
         assert cfg.embed_scale == "auto" and cfg.embed_multiplier == 1.0
         hybrid = cfg.replace(attention_every=2)
@@ -96,8 +97,10 @@ def test_embed_scale_default_and_a_config_saved_before_it():
     saved = {k: v for k, v in PRESETS["tiny"].to_dict().items() if k != "embed_scale"}
     old = LaplaceConfig.from_saved({**saved, "attention_every": 2})
     assert old.embed_scale == "one" and old.embed_multiplier == 1.0
+    # pure Laplace saved before the field is today's default model: read as "auto" (1)
+    assert LaplaceConfig.from_saved(saved) == PRESETS["tiny"]
     assert LaplaceConfig.from_saved(PRESETS["tiny"].to_dict()) == PRESETS["tiny"]
-    assert LaplaceConfig.from_dict(saved) == PRESETS["tiny"]
+    assert LaplaceConfig.from_dict({**saved, "attention_every": 2}).embed_multiplier == 8.0
 
 
 def test_frozen():

@@ -59,7 +59,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from laplace_spec.config import SAVED_BEFORE
+from laplace_spec.config import saved_before
 
 ITEMS = ("params", "opt_state", "data", "meta")
 
@@ -173,7 +173,7 @@ def check_compatible(meta: dict, requested: dict[str, dict], where: str) -> None
         if have is None:
             continue
         if section == "model":  # fields added since it was saved: the values it was trained as
-            have = {**SAVED_BEFORE, **have}
+            have = {**saved_before(have), **have}
         problems += [f"{section}.{d}" for d in config_diff(have, want)]
     if problems:
         raise ConfigMismatch(
