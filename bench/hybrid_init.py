@@ -1,0 +1,219 @@
+"""The hybrid's initialisation study (docs/design.md s13.5): why its attention layer never learnt
+the MQAR lookup, which change lets it, and what that change does to pure Laplace.
+
+    python -m bench.hybrid_init [--seeds N] [--steps N] [--variants a,b] [--work-dir DIR]
+
+bench/retrieval.py's MQAR model (2 layers, d_model 128, 4 heads, trained on MQAR (64, 4) for
+1,000 steps, scored at (64, 4), (128, 8), (256, 16)) in each variant below, `--seeds` seeds
+each: the hybrid (layer 0 GLA, layer 1 attention) at its learning rate 0.01, pure Laplace at
+its 0.03 (both the best of bench.retrieval's sweep before this study). Each run is
+bench.retrieval's `run_one` (the project's trainer and evaluator, in-process) in its
+`--work-dir`, so the runs of today's defaults (`hybrid`, `laplace`) are bench.retrieval's own and
+either command reuses the other's.
+
+    hybrid              the default since this study: embed_scale=auto, sqrt(D) for a hybrid
+    hybrid_as_built     embed_scale=one: the hybrid before this study
+    hybrid_gla_x0.1     embed_scale=one, the GLA layer's mixer branch (its W_out output) times a
+                        fixed 0.1, in training and scoring (a multiplier, not an initial scale)
+    hybrid_zero_out     embed_scale=one, W_out and W_3 initialised to zero (the residual branches
+                        start at nothing; Muon then moves them)
+    hybrid_attn_first   embed_scale=one, layer 0 attention and layer 1 GLA
+    laplace             pure Laplace as it is (embed_scale=auto: 1)
+    laplace_sqrt_d      pure Laplace with embed_scale=sqrt_d_model
+
+hybrid_gla_x0.1, hybrid_zero_out and hybrid_attn_first are not configuration options: this
+script applies them while the run trains and is scored (a Flax method interceptor on the GLA
+layer's `out` projection; the config's `residual_init_scale` and `layer_mixers` replaced).
+
+At initialisation (seed 0, no training), each hybrid variant's `identity_cosine`: over MQAR
+(64, 4) sequences, the cosine between the attention layer's input, normalised as its
+LayerNorm_1 does, at a key's position among the pairs and where the same key comes back as a
+query. The lookup has to match those two; 1.0 when the attention layer reads the embedding
+itself (attention first) or nothing has been added to it (zero-initialised branches).
+
+Writes bench/results/hybrid_init.json: per variant, each seed's accuracies and final loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from pathlib import Path
+from unittest import mock
+
+import flax.linen as nn
+import jax
+
+from bench.common import write_result
+from bench.retrieval import MIXER_SETTINGS, MQAR_SETTINGS, model_overrides, mqar_spec, run_one
+from laplace_spec.config import LaplaceConfig
+
+# variant -> (mixer, learning rate, embed_scale override or None for the default, patch)
+VARIANTS = {
+    "hybrid": ("hybrid", 1e-2, None, None),
+    "hybrid_as_built": ("hybrid", 1e-2, "one", None),
+    "hybrid_gla_x0.1": ("hybrid", 1e-2, "one", "gla_x0.1"),
+    "hybrid_zero_out": ("hybrid", 1e-2, "one", "zero_out"),
+    "hybrid_attn_first": ("hybrid", 1e-2, "one", "attn_first"),
+    "laplace": ("gla", 3e-2, None, None),
+    "laplace_sqrt_d": ("gla", 3e-2, "sqrt_d_model", None),
+}
+
+
+def _scale_gla_branch(next_fun, args, kwargs, context):
+    """x 0.1 on the output of a GLA layer's `out` projection (its mixer branch)."""
+    y = next_fun(*args, **kwargs)
+    module = context.module
+    if context.method_name == "__call__" and module.name == "out":
+        layer = module.parent
+        if (layer.mixer or layer.config.token_mixer) == "gla":
+            return 0.1 * y
+    return y
+
+
+def _attention_first(self) -> tuple[str, ...]:
+    k = self.attention_every
+    return tuple("attention" if i % k == 0 else "gla" for i in range(self.n_layers))
+
+
+@contextlib.contextmanager
+def applied(patch: str | None):
+    """A variant's change to the model, for as long as a run trains and is scored (JAX's caches
+    cleared on both sides, so no program traced under another variant is reused)."""
+    jax.clear_caches()
+    with contextlib.ExitStack() as stack:
+        stack.callback(jax.clear_caches)
+        if patch == "gla_x0.1":
+            stack.enter_context(nn.intercept_methods(_scale_gla_branch))
+        elif patch == "zero_out":
+            zero = property(lambda self: 0.0)
+            stack.enter_context(mock.patch.object(LaplaceConfig, "residual_init_scale", zero))
+        elif patch == "attn_first":
+            first = property(_attention_first)
+            stack.enter_context(mock.patch.object(LaplaceConfig, "layer_mixers", first))
+        yield
+
+
+def identity_cosine(variant: str, seed: int = 0, n: int = 64) -> float:
+    """At initialisation: the mean cosine between the first attention layer's normalised input
+    at a key's pair position and at the same key's query position (MQAR (64, 4))."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from laplace_jax.model import LaplaceLM, init_params, init_state
+    from laplace_spec.config import get_config
+    from train.tasks import mqar
+
+    mixer, lr, embed, patch = VARIANTS[variant]
+    spec = mqar_spec(mixer, seed, lr)
+    overrides = model_overrides(spec["d_model"], spec["heads"], spec["t_max"])
+    overrides += [*MIXER_SETTINGS[mixer], "seq_len=64"]
+    overrides += [] if embed is None else [f"embed_scale={embed}"]
+    tokens, _ = mqar(n, 64, 4, 256, seed=(seed, 64, 4))
+    tokens = tokens[:, :-1]
+    with applied(patch):
+        cfg = get_config("tiny", overrides)
+        first = cfg.layer_mixers.index("attention")
+
+        def attention_input(model, tokens):  # the residual stream the attention layer reads
+            x = model.embed(tokens) * cfg.embed_multiplier
+            state = init_state(cfg, tokens.shape[0])
+            for i in range(first):
+                x, _ = model.layers[i](x, state[f"layer_{i}"])
+            return x
+
+        params = init_params(cfg, jax.random.key(seed))
+        x = LaplaceLM(cfg).apply({"params": params}, jnp.asarray(tokens), method=attention_input)
+    x = np.asarray(x, np.float64)
+    x = x - x.mean(-1, keepdims=True)  # LayerNorm_1 at initialisation (scale 1, no bias)
+    x /= np.linalg.norm(x, axis=-1, keepdims=True)
+    cosines = []
+    for b in range(n):
+        for i in range(4):  # pair i: key at 2i; its query where the key comes back after 2P
+            later = np.nonzero(tokens[b, 8:] == tokens[b, 2 * i])[0]
+            cosines += [float(x[b, 2 * i] @ x[b, 8 + q]) for q in later]
+    return statistics.mean(cosines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.hybrid_init", description=__doc__)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--work-dir", default="runs/bench-retrieval", help="bench.retrieval's")
+    args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        ap.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
+    flags = ["--task", "mqar", "--seq-lens", "64,128,256", "--pairs", "4,8,16"]
+    rows, t0 = [], time.perf_counter()
+    for variant in variants:
+        mixer, lr, embed, patch = VARIANTS[variant]
+        for seed in range(args.seeds):
+            spec = mqar_spec(mixer, seed, lr)
+            overrides = []
+            if embed is not None or patch is not None:  # not bench.retrieval's own run
+                spec |= {"variant": variant}
+                overrides = [] if embed is None else [f"embed_scale={embed}"]
+            with applied(patch):
+                r = run_one(
+                    Path(args.work_dir),
+                    spec,
+                    args.steps,
+                    flags,
+                    lambda *a: print(*a, flush=True),
+                    overrides=overrides,
+                )
+            rows.append({**r, "variant": variant})
+    table = []
+    for variant in variants:
+        runs = [r for r in rows if r["variant"] == variant]
+        row = {"variant": variant, "final_loss": [round(r["final_loss"], 4) for r in runs]}
+        if VARIANTS[variant][0] == "hybrid":
+            row["identity_cosine"] = round(identity_cosine(variant), 3)
+        for T, P in MQAR_SETTINGS:
+            accs = [
+                next(c["accuracy"] for c in r["cells"] if (c["seq_len"], c["num_pairs"]) == (T, P))
+                for r in runs
+            ]
+            row[f"{T}_{P}"] = {"seeds": accs, "mean": statistics.mean(accs), "min": min(accs)}
+        table.append(row)
+        print(
+            f"{variant:16s} "
+            + "  ".join(
+                f"({T},{P}) {row[f'{T}_{P}']['mean']:6.1%} "
+                + "/".join(f"{a:.1%}" for a in row[f"{T}_{P}"]["seeds"])
+                for T, P in MQAR_SETTINGS
+            )
+            + f"  loss {row['final_loss']}  cosine at init {row.get('identity_cosine')}",
+            flush=True,
+        )
+    headline = {
+        f"mqar_acc_{row['variant']}_{T}_{P}": round(row[f"{T}_{P}"]["mean"], 4)
+        for row in table
+        for T, P in MQAR_SETTINGS
+    }
+    print(
+        write_result(
+            "hybrid_init",
+            headline,
+            steps=args.steps,
+            seeds=args.seeds,
+            variants={
+                v: {"mixer": m, "lr": lr, "embed_scale": e, "patch": p}
+                for v, (m, lr, e, p) in VARIANTS.items()
+                if v in variants
+            },
+            elapsed_s=round(time.perf_counter() - t0, 1),
+            table=table,
+            runs=rows,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
