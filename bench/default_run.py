@@ -34,6 +34,7 @@ def main(argv=None) -> int:
             print(done.stdout[-3000:], done.stderr[-3000:], sep="\n", file=sys.stderr)
             raise SystemExit(f"error: the default run exited {done.returncode}")
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+        model = json.loads((run_dir / "config.json").read_text())["model"]
     losses = [r for r in records if "loss" in r]
     validation = [
         {"step": r["step"], "val_loss": r["val_loss"]} for r in records if "val_loss" in r
@@ -50,6 +51,7 @@ def main(argv=None) -> int:
         command="python -m train.main",
         first_step=losses[0]["step"],
         validation=validation,
+        model=model,
         notes="a fresh run directory and corpus cache: the time includes the corpus build",
     )
     print(json.dumps(headline), validation, path, sep="\n")

@@ -1,30 +1,42 @@
 """`python -m bench.quality`: language-modelling quality of pure Laplace, the hybrid and attention.
 
-Three runs of the README's default run (`python -m train.main`: the `small` preset on the
-embedded corpus, 120 steps of 4,096 tokens, validation at steps 40, 80 and 120), the same data,
-seed and optimizer, differing only in step 4 of the layers:
+    python -m bench.quality [--models laplace,hybrid,...] [--seeds 0,1,2]
 
-    laplace    every layer GLA (the default)
-    hybrid     attention_every=4: the last of the four layers is softmax attention
-    attention  token_mixer=attention: every layer softmax attention (the retrieval baseline)
+The README's default run (`python -m train.main`: the `small` preset on the embedded corpus, 120
+steps of 4,096 tokens, validation at steps 40, 80 and 120), the same data and optimizer, once per
+model and seed (`seed=N`: parameter initialisation and data order), differing only in the model:
 
-Writes bench/results/quality.json: each run's training losses at its first and last step and its
-validation losses. A short run on a small corpus: it says whether the hybrid trains as well as
-pure Laplace at this size and length, not how the three compare at scale.
+    laplace          every layer GLA (the default)
+    hybrid           attention_every=4: the last of the four layers softmax attention, its
+                     embedding scaled by sqrt(D) (embed_scale=auto, docs/design.md s13.5)
+    hybrid_unscaled  the same hybrid with embed_scale=one: the hybrid before that change
+    attention        token_mixer=attention: every layer softmax attention (the baseline)
+
+Each run is added to bench/results/quality.json under "model/seedN", replacing only a run of the
+same model and seed, so the grid can be filled a few runs at a time; the headline is each
+model's mean final validation loss over the seeds it has, with their spread (max - min). A short
+run on a small corpus: it says whether the hybrid trains as well as pure Laplace at this size
+and length, not how the models compare at scale.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import write_result
+from bench.common import RESULTS, write_result
 
-RUNS = {"laplace": [], "hybrid": ["attention_every=4"], "attention": ["token_mixer=attention"]}
+RUNS = {
+    "laplace": [],
+    "hybrid": ["attention_every=4"],
+    "hybrid_unscaled": ["attention_every=4", "embed_scale=one"],
+    "attention": ["token_mixer=attention"],
+}
 
 
 def run(name: str, overrides: list[str], run_dir: Path) -> dict:
@@ -43,21 +55,47 @@ def run(name: str, overrides: list[str], run_dir: Path) -> dict:
         "validation": [
             {"step": r["step"], "val_loss": r["val_loss"]} for r in records if "val_loss" in r
         ],
+        "model": json.loads((run_dir / "config.json").read_text())["model"],
     }
+
+
+def headline(runs: dict) -> dict:
+    """Per model: the mean final validation loss over its seeds, their spread and count."""
+    out = {}
+    for name in RUNS:
+        finals = [
+            r["validation"][-1]["val_loss"] for k, r in runs.items() if k.split("/")[0] == name
+        ]
+        if finals:
+            out[f"val_loss_{name}"] = round(statistics.mean(finals), 4)
+            out[f"val_loss_{name}_spread"] = round(max(finals) - min(finals), 4)
+            out[f"val_loss_{name}_seeds"] = len(finals)
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__)
-    ap.parse_args(argv)
-    runs = {}
+    ap.add_argument("--models", default=",".join(RUNS), help="comma list of " + ", ".join(RUNS))
+    ap.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
+    args = ap.parse_args(argv)
+    models = args.models.split(",")
+    unknown = sorted(set(models) - set(RUNS))
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}; known: {', '.join(RUNS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    path = RESULTS / "quality.json"
+    runs = json.loads(path.read_text())["runs"] if path.is_file() else {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, overrides in RUNS.items():
-            runs[name] = run(name, overrides, Path(tmp) / name)
-            print(name, json.dumps(runs[name]), flush=True)
-    headline = {
-        f"val_loss_{name}_small": r["validation"][-1]["val_loss"] for name, r in runs.items()
-    }
-    print(write_result("quality", headline, runs=runs, preset="small"))
+        for name in models:
+            for seed in seeds:
+                key = f"{name}/seed{seed}"
+                overrides = [*RUNS[name], *([f"seed={seed}"] if seed else [])]
+                runs[key] = run(key, overrides, Path(tmp) / name / str(seed))
+                print(key, json.dumps(runs[key]["validation"]), flush=True)
+                write_result(
+                    "quality", headline(runs), runs=dict(sorted(runs.items())), preset="small"
+                )
+    print(path)
     return 0
 
 

@@ -7,7 +7,8 @@ Every model is trained by the project's trainer (`python -m train.main --task ..
 and scored by its evaluator (`python -m train.eval`) on fresh batches, never training ones. The
 baseline is the same model with `token_mixer=attention` (laplace_jax/attention.py): the same
 parameters, Muon on the same matrices, the same optimizer settings. The hybrid is Laplace with
-`attention_every=2`: its first layer GLA, its second that attention layer.
+`attention_every=2`: its first layer GLA, its second that attention layer; hybrid4 has 4 layers
+with `attention_every=4`, three GLA layers then attention (Qwen3-Next's and Kimi Linear's 3:1).
 
 Models: 2 layers, 4 heads (d_v = d_model / 4, d_k = d_v / 2, as Laplace), FFN 2 x d_model,
 vocabulary 256 (MQAR: 127 keys, 128 values, so chance is 1/128), the tiny optimizer preset
@@ -37,9 +38,9 @@ argument of the training run, the evaluation flags and the code (a hash of the l
 laplace_jax and train sources) are the same; each row of the JSON says whether it was reused and
 from which run directory. `--fresh` retrains everything.
 
-Writes bench/results/retrieval.json (headline: mqar_acc_{laplace,attention,hybrid}_{64_4,128_8,
-256_16}, passkey_acc_laplace_max_depth, passkey_acc_hybrid_4096_min: the hybrid's worst depth at
-4,096 tokens) and
+Writes bench/results/retrieval.json (headline: mqar_acc_{laplace,attention,hybrid,hybrid4}_{64_4,
+128_8,256_16}, mqar_min_seed_{hybrid,hybrid4}_64_4 (the worst seed), passkey_acc_laplace_max_depth,
+passkey_acc_{hybrid,hybrid4}_4096_min: a hybrid's worst depth at 4,096 tokens) and
 bench/results/retrieval.png (`--quick`: retrieval_quick.json and .png).
 """
 
@@ -57,19 +58,22 @@ import time
 from pathlib import Path
 
 from bench.common import write_result
+from laplace_spec.config import LaplaceConfig
 from train import eval as train_eval
 from train import main as train_main
 
 MQAR_SETTINGS = ((64, 4), (128, 8), (256, 16))
 PASSKEY_CONTEXTS = (64, 256, 1024, 4096)
 PASSKEY_DEPTHS = (0.0, 0.5, 1.0)
-MIXERS = ("gla", "attention", "hybrid")
-LABEL = {"gla": "laplace", "attention": "attention", "hybrid": "hybrid"}
-# how each mixer is set: the hybrid is Laplace with its second layer softmax attention
+MIXERS = ("gla", "attention", "hybrid", "hybrid4")
+LABEL = {"gla": "laplace", "attention": "attention", "hybrid": "hybrid", "hybrid4": "hybrid4"}
+# how each mixer is set: the hybrid is Laplace with its second layer softmax attention, hybrid4
+# four layers, the last attention
 MIXER_SETTINGS = {
     "gla": ["token_mixer=gla"],
     "attention": ["token_mixer=attention"],
     "hybrid": ["token_mixer=gla", "attention_every=2"],
+    "hybrid4": ["token_mixer=gla", "n_layers=4", "attention_every=4"],
 }
 LEARNING_RATES = (3e-3, 1e-2, 3e-2)  # around the tiny preset's 1e-2
 PASSKEY_LR = 1e-2  # the tiny preset's
@@ -117,9 +121,10 @@ def train_args(
     batch_tokens: int = 2048,
     log_every: int = 50,
     init_from: Path | None = None,
+    overrides: list[str] = (),
 ) -> list[str]:
     """The `python -m train.main` arguments of one model (`init_from`: start from that run's
-    parameters, `--init-from`; bench/long_context.py)."""
+    parameters, `--init-from`; bench/long_context.py; `overrides`: more config fields)."""
     return [
         "--config",
         "tiny",
@@ -150,6 +155,7 @@ def train_args(
         "peak_flops=1e11",
         "async_checkpoints=false",
         f"lr={spec['lr']:g}",
+        *overrides,
     ]
 
 
@@ -171,13 +177,16 @@ def evaluate(run_dir: Path, flags: list[str]) -> dict:
     return report
 
 
-def run_one(work: Path, spec: dict, steps: int, eval_flags: list[str], say, fresh=False) -> dict:
+def run_one(
+    work: Path, spec: dict, steps: int, eval_flags: list[str], say, fresh=False, overrides=()
+) -> dict:
     """Train and score one model, or reuse a finished one's result when its training arguments,
-    evaluation flags and code version are all the same (`fresh`: never reuse)."""
+    evaluation flags and code version are all the same (`fresh`: never reuse; `overrides`: more
+    config fields, `train_args`)."""
     name = "-".join(f"{k}{v:g}" if k == "lr" else f"{k}{v}" for k, v in spec.items() if k != "task")
     name += f"-steps{steps}-" + spec["task"].replace(":", "_").replace("=", "").replace(",", "_")
     run_dir = work / name
-    args = train_args(run_dir, spec, steps)
+    args = train_args(run_dir, spec, steps, overrides=list(overrides))
     key = {"train_args": args, "eval_flags": eval_flags, "code_version": code_version()}
     done = run_dir / "bench_result.json"
     if done.is_file() and not fresh:
@@ -270,7 +279,14 @@ def main(argv=None) -> int:
     flags = ["--task", "passkey", "--context-lens", ",".join(map(str, contexts))]
     flags += ["--depths", ",".join(map(str, PASSKEY_DEPTHS))]
     passkey = []
-    for mixer, t_max in (("gla", 2048.0), ("gla", 64.0), ("attention", 2048.0), ("hybrid", 2048.0)):
+    models = (
+        ("gla", 2048.0),
+        ("gla", 64.0),
+        ("attention", 2048.0),
+        ("hybrid", 2048.0),
+        ("hybrid4", 2048.0),
+    )
+    for mixer, t_max in models:
         if args.quick and t_max == 64.0:
             continue
         spec = {
@@ -306,6 +322,7 @@ def main(argv=None) -> int:
         seeds=seeds,
         learning_rates=lrs,
         code_version=code_version(),
+        embed_scale=LaplaceConfig.embed_scale,  # the default the runs used (s13.5)
         elapsed_s=round(elapsed, 1),
         train_and_eval_s=round(compute, 1),
         reused_runs=reused,
@@ -419,22 +436,29 @@ def summarise(sweep, best, state, passkey, contexts) -> dict:
     headline["passkey_acc_laplace_max_depth"] = next(
         c["accuracy"] for c in laplace["cells"] if c["context"] == deepest and c["depth"] == 0.0
     )
-    hybrid = next((p for p in pk if p["mixer"] == "hybrid"), None)
-    if hybrid is not None:  # its worst depth at the longest context
-        headline[f"passkey_acc_hybrid_{deepest}_min"] = min(
-            c["accuracy"] for c in hybrid["cells"] if c["context"] == deepest
-        )
+    hybrid = next(r for r in table if (r["seq_len"], r["num_pairs"]) == MQAR_SETTINGS[0])
+    headline["mqar_min_seed_hybrid_64_4"] = min(hybrid["hybrid_seeds"])
+    headline["mqar_min_seed_hybrid4_64_4"] = min(hybrid["hybrid4_seeds"])
+    for name in ("hybrid", "hybrid4"):  # each hybrid's worst depth at the longest context
+        hybrid = next((p for p in pk if p["mixer"] == name), None)
+        if hybrid is not None:
+            headline[f"passkey_acc_{name}_{deepest}_min"] = min(
+                c["accuracy"] for c in hybrid["cells"] if c["context"] == deepest
+            )
     return {"headline": headline, "mqar": table, "sweep": sweep, "state": points, "passkey": pk}
 
 
 def print_tables(summary: dict) -> None:
     print("\nMQAR accuracy at each setting's best learning rate (mean over seeds; per seed)")
-    print(f"{'seq_len':>8s} {'pairs':>6s} {'Laplace':>9s} {'attention':>10s} {'hybrid':>9s}")
+    print(
+        f"{'seq_len':>8s} {'pairs':>6s} {'Laplace':>9s} {'attention':>10s} {'hybrid':>9s}"
+        f" {'hybrid4':>9s}"
+    )
     for r in summary["mqar"]:
         seeds = lambda m, r=r: "/".join(f"{a:.0%}" for a in r[f"{m}_seeds"])  # noqa: E731
         print(
             f"{r['seq_len']:8d} {r['num_pairs']:6d} {r['laplace']:9.1%} {r['attention']:10.1%}"
-            f" {r['hybrid']:9.1%}   "
+            f" {r['hybrid']:9.1%} {r['hybrid4']:9.1%}   "
             + " | ".join(f"{m} lr {r[f'{m}_lr']:g}: {seeds(m)}" for m in LABEL.values())
         )
     print("\nMQAR sweep: mean (min to max) over seeds")
@@ -470,8 +494,8 @@ def plot(summary: dict, path: Path) -> Path:
     ax = axes[0]
     labels = [f"({r['seq_len']}, {r['num_pairs']})" for r in summary["mqar"]]
     x = range(len(labels))
-    for off, mixer in ((-0.27, "laplace"), (0.0, "attention"), (0.27, "hybrid")):
-        ax.bar([i + off for i in x], [r[mixer] for r in summary["mqar"]], 0.27, label=mixer)
+    for off, mixer in zip((-0.3, -0.1, 0.1, 0.3), LABEL.values(), strict=True):
+        ax.bar([i + off for i in x], [r[mixer] for r in summary["mqar"]], 0.2, label=mixer)
         for i, r in enumerate(summary["mqar"]):
             ax.plot([i + off] * len(r[f"{mixer}_seeds"]), r[f"{mixer}_seeds"], "k.", ms=4)
     ax.set_xticks(list(x), labels)
