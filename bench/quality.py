@@ -11,6 +11,7 @@ model and seed (`seed=N`: parameter initialisation and data order), differing on
                      embedding scaled by sqrt(D) (embed_scale=auto, docs/design.md s13.5)
     hybrid_unscaled  the same hybrid with embed_scale=one: the hybrid before that change
     attention        token_mixer=attention: every layer softmax attention (the baseline)
+    laplace_sqrt_d   pure Laplace with embed_scale=sqrt_d_model (not its default)
 
 Each run is added to bench/results/quality.json under "model/seedN", replacing only a run of the
 same model and seed, so the grid can be filled a few runs at a time; the headline is each
@@ -36,6 +37,7 @@ RUNS = {
     "hybrid": ["attention_every=4"],
     "hybrid_unscaled": ["attention_every=4", "embed_scale=one"],
     "attention": ["token_mixer=attention"],
+    "laplace_sqrt_d": ["embed_scale=sqrt_d_model"],
 }
 
 

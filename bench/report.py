@@ -384,9 +384,8 @@ def quality() -> str:
     embedding) and attention, each seed it has."""
     d = load("quality")
     h = d["headline"]
-    models = [
-        m for m in ("laplace", "hybrid", "hybrid_unscaled", "attention") if f"val_loss_{m}" in h
-    ]
+    order = ("laplace", "laplace_sqrt_d", "hybrid", "hybrid_unscaled", "attention")
+    models = [m for m in order if f"val_loss_{m}" in h]
     rows = []
     for name in models:
         runs = {k: r for k, r in d["runs"].items() if k.split("/")[0] == name}
