@@ -285,7 +285,8 @@ class LaplaceLM(nn.Module):
                 "attention layers (token_mixer='attention' or attention_every) keep no recurrent "
                 "state: call the model on whole sequences, without `state`"
             )
-        x = self.embed(tokens) * cfg.embed_multiplier  # [B, T, D], sqrt(D) E[token] (s2.2)
+        x = self.embed(tokens) * cfg.embed_multiplier  # [B, T, D], m E[token]: m = sqrt(D) in a
+        # hybrid, 1 otherwise (docs/design.md s2.2, s13.5)
         x = x.astype(jnp.dtype(cfg.compute_dtype))
         if layers is not None:  # the decoder layers run by the caller (FSDP: gathered weights)
             x, new_state = layers(x, reset), None

@@ -67,7 +67,7 @@ class LaplaceConfig:
     # identity reaches the layers at the size of the residual branches (docs/design.md s13.5:
     # without it a hybrid's attention layer never learns a lookup); "one" leaves it; "auto" is
     # sqrt(D) for a hybrid (attention_every > 0) and 1 for pure Laplace and the attention
-    # baseline, where the study found sqrt(D) slowed learning to recall.
+    # baseline, where the study found no gain from it (so the 3B recipe stays as published).
     embed_scale: str = "auto"
 
     def __post_init__(self):
