@@ -52,6 +52,15 @@ def machine_info() -> dict:
     }
 
 
+def chosen(ap, text: str, known, what: str) -> list[str]:
+    """The comma list `text` of names from `known`; an unknown name is `ap`'s usage error."""
+    names = text.split(",")
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        ap.error(f"unknown {what}(s) {unknown}; known: {', '.join(known)}")
+    return names
+
+
 def write_result(name: str, headline: dict, *, path: Path | None = None, **data) -> Path:
     """bench/results/NAME.json (or `path`) with "headline" (plain numbers), "machine" and the
     raw data."""

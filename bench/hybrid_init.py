@@ -46,8 +46,15 @@ from unittest import mock
 import flax.linen as nn
 import jax
 
-from bench.common import write_result
-from bench.retrieval import MIXER_SETTINGS, MQAR_SETTINGS, model_overrides, mqar_spec, run_one
+from bench.common import chosen, write_result
+from bench.retrieval import (
+    MIXER_SETTINGS,
+    MQAR_SETTINGS,
+    cell_accuracy,
+    model_overrides,
+    mqar_spec,
+    run_one,
+)
 from laplace_spec.config import LaplaceConfig
 
 # variant -> (mixer, learning rate, embed_scale override or None for the default, patch)
@@ -144,10 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--work-dir", default="runs/bench-retrieval", help="bench.retrieval's")
     args = ap.parse_args(argv)
-    variants = args.variants.split(",")
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        ap.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
+    variants = chosen(ap, args.variants, VARIANTS, "variant")
     flags = ["--task", "mqar", "--seq-lens", "64,128,256", "--pairs", "4,8,16"]
     rows, t0 = [], time.perf_counter()
     for variant in variants:
@@ -175,10 +179,7 @@ def main(argv=None) -> int:
         if VARIANTS[variant][0] == "hybrid":
             row["identity_cosine"] = round(identity_cosine(variant), 3)
         for T, P in MQAR_SETTINGS:
-            accs = [
-                next(c["accuracy"] for c in r["cells"] if (c["seq_len"], c["num_pairs"]) == (T, P))
-                for r in runs
-            ]
+            accs = [cell_accuracy(r, seq_len=T, num_pairs=P) for r in runs]
             row[f"{T}_{P}"] = {"seeds": accs, "mean": statistics.mean(accs), "min": min(accs)}
         table.append(row)
         print(

@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import RESULTS, write_result
+from bench.common import RESULTS, chosen, write_result
 
 RUNS = {
     "laplace": [],
@@ -80,10 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(RUNS), help="comma list of " + ", ".join(RUNS))
     ap.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
     args = ap.parse_args(argv)
-    models = args.models.split(",")
-    unknown = sorted(set(models) - set(RUNS))
-    if unknown:
-        ap.error(f"unknown model(s) {unknown}; known: {', '.join(RUNS)}")
+    models = chosen(ap, args.models, RUNS, "model")
     seeds = [int(s) for s in args.seeds.split(",")]
     path = RESULTS / "quality.json"
     runs = json.loads(path.read_text())["runs"] if path.is_file() else {}

@@ -398,13 +398,13 @@ def quality() -> str:
             mean += f" (spread {h[f'val_loss_{name}_spread']:.3f})"
         rows.append([f"{name} (`{command}`)", per_seed, mean])
     head = ["model", "validation loss at the last step, per seed", "mean over seeds"]
-    notes = [r["note"] for r in d["runs"].values() if r.get("note")]
+    notes = {k: r["note"] for k, r in d["runs"].items() if r.get("note")}
     return (
         f"`python -m bench.quality` (`bench/results/quality.json`): the default run (the "
         f"`{d['preset']}` preset on the embedded corpus) per model and seed, the same data and "
         "optimizer:\n\n"
         + table(head, rows)
-        + "".join(f"\n\nhybrid_unscaled, seed 0: {n}." for n in notes)
+        + "".join(f"\n\n{key}: {note}." for key, note in notes.items())
     )
 
 

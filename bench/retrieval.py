@@ -351,7 +351,7 @@ def mqar_sweep(mqar: list[dict], lrs: list[float]) -> list[dict]:
         for lr in lrs:
             for T, P in MQAR_SETTINGS:
                 accs = [
-                    _acc(r, seq_len=T, num_pairs=P)
+                    cell_accuracy(r, seq_len=T, num_pairs=P)
                     for r in mqar
                     if r["mixer"] == mixer and r["lr"] == lr
                 ]
@@ -374,13 +374,13 @@ def best_lr(mqar: list[dict], mixer: str) -> float:
     """The learning rate whose seed-0 model has the best mean accuracy over the settings."""
 
     def mean_accuracy(run):
-        return statistics.mean(_acc(run, seq_len=T, num_pairs=P) for T, P in MQAR_SETTINGS)
+        return statistics.mean(cell_accuracy(run, seq_len=T, num_pairs=P) for T, P in MQAR_SETTINGS)
 
     runs = [r for r in mqar if r["mixer"] == mixer and r["seed"] == 0]
     return max(runs, key=mean_accuracy)["lr"]
 
 
-def _acc(run: dict, **match) -> float:
+def cell_accuracy(run: dict, **match) -> float:
     cells = [c for c in run["cells"] if all(c.get(k) == v for k, v in match.items())]
     return cells[0]["accuracy"]
 
@@ -410,7 +410,10 @@ def summarise(sweep, best, state, passkey, contexts) -> dict:
                 "heads": r["heads"],
                 "lr": r["lr"],
                 "state_per_layer": state_per_layer(r["d_model"], r["heads"]),
-                **{f"accuracy_{T}_{P}": _acc(r, seq_len=T, num_pairs=P) for T, P in MQAR_SETTINGS},
+                **{
+                    f"accuracy_{T}_{P}": cell_accuracy(r, seq_len=T, num_pairs=P)
+                    for T, P in MQAR_SETTINGS
+                },
             }
             for r in state
         ),
