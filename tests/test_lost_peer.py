@@ -1,6 +1,8 @@
 """A lost peer (train/lost_peer.py): two trainer processes of one CPU device each, process 1
-killed with SIGKILL mid-run; the survivor says so in one line and exits LOST_PEER_EXIT within
-the heartbeat timeout plus a step, and rerunning both resumes the same loss curve."""
+killed with SIGKILL mid-run (between checkpoints, while a save's asynchronous commit is in
+flight, and while the run's end waits for its last save); the survivor says so in one line and
+exits LOST_PEER_EXIT within the heartbeat timeout plus a step, and rerunning both resumes the
+same loss curve."""
 
 from __future__ import annotations
 
@@ -25,10 +27,11 @@ REPO = Path(__file__).resolve().parents[1]
 HEARTBEAT_S = 10
 STEPS, CKPT_EVERY = 12, 4
 # Each process runs train.main in-process with a hook that SIGKILLs process 1 right after step
-# `kill_after` (after that step's checkpoint save started, when the step is a save step), once
-# the checkpoint `committed` is on disk (its commit needs both processes: a kill before it would
-# leave an earlier checkpoint the newest), having written the time to `killed_at`: a real
-# SIGKILL at a known step.
+# `kill_after`, once the checkpoint `committed` is on disk (its commit needs both processes: a
+# kill before it would leave an earlier checkpoint the newest) and, when the step is a save step,
+# once that save's directory is (orbax may create it in its writing thread; its commit then
+# waits for process 1, so the directory is the temporary one, as the lines asserted say), having
+# written the time to `killed_at`: a real SIGKILL at a known step and moment.
 WORKER = """
 import os, signal, sys, time
 from pathlib import Path
@@ -37,10 +40,12 @@ from train import main as train_main
 from train.loop import Hooks
 kill_after, argv = int(sys.argv[1]), sys.argv[4:]
 committed, killed_at = Path(sys.argv[2]), Path(sys.argv[3])
+def started(step):
+    return any(p.name.split(".")[0] == str(step) for p in committed.parent.iterdir())
 def after_step(done):
     if done == kill_after and jax.process_index() == 1:
-        while not committed.exists():
-            time.sleep(0.05)
+        while not committed.exists() or (done % CKPT_EVERY == 0 and not started(done)):
+            time.sleep(0.01)
         killed_at.write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 sys.exit(train_main.main(argv, hooks=Hooks(after_step=after_step)))
@@ -89,7 +94,8 @@ def _run_two(shards, run_dir, kill_after=0, killed_at=None):
             "JAX_PROCESS_ID": str(i),
         }
         committed = run_dir / "checkpoints" / str(CKPT_EVERY)  # the first checkpoint
-        command = [sys.executable, "-c", WORKER, str(kill_after), str(committed), str(killed_at)]
+        worker = f"CKPT_EVERY = {CKPT_EVERY}\n" + WORKER
+        command = [sys.executable, "-c", worker, str(kill_after), str(committed), str(killed_at)]
         command += argv
         procs.append(
             subprocess.Popen(
@@ -148,31 +154,48 @@ def _killed(shards, run, kill_after, tmp_path):
     return last
 
 
-def _line(run, kill_after, newest):
+def _line(run, kill_after, newest, unfinished=""):
+    if unfinished:
+        unfinished = f"; unfinished, removed by the rerun: {unfinished}"
     return (
         f"lost peer: process 1 of 2 left the run after step {kill_after} (this is process 0); "
-        f"newest complete checkpoint: step {newest} ({run / 'checkpoints' / str(newest)}); "
-        f"rerun every process with the same command to resume (exit status {LOST_PEER_EXIT})"
+        f"newest complete checkpoint: step {newest} ({run / 'checkpoints' / str(newest)})"
+        f"{unfinished}; rerun every process with the same command to resume (exit status "
+        f"{LOST_PEER_EXIT})"
+    )
+
+
+def _unfinished(run):
+    return sorted(
+        p.name for p in (run / "checkpoints").iterdir() if "orbax-checkpoint-tmp" in p.name
     )
 
 
 def test_a_lost_peer_is_one_line_and_a_prompt_exit_and_the_rerun_loses_nothing(
     shards, uninterrupted, tmp_path
 ):
-    """Process 1 is killed between the checkpoints of steps 4 and 8, then (in the rerun, which
-    resumes from 4) right after step 8's asynchronous save has started; a last rerun of both
-    processes finishes with every step's loss equal to the uninterrupted run's."""
+    """Process 1 is killed between the checkpoints of steps 4 and 8; then (in the rerun, which
+    resumes from 4) while step 8's asynchronous save is being committed: the survivor is
+    training step 9 and meets the death as a failed collective; then (the rerun resumes from 4
+    again, removes 8's unfinished save and commits 8 anew) while the run's end waits for step
+    12's save: the survivor is held in orbax's commit barrier, where no error comes back. A last
+    rerun of both processes finishes with every step's loss equal to the uninterrupted run's."""
     run = tmp_path / "run"
     assert _killed(shards, run, 6, tmp_path) == _line(run, 6, 4)
     assert _complete_steps(run) == [4]
 
-    # the kill lands while step 8's save is in flight: it never commits, 4 stays the newest
-    assert _killed(shards, run, 8, tmp_path) == _line(run, 8, 4)
+    # step 8's save in flight: it never commits, 4 stays the newest
+    assert _killed(shards, run, 8, tmp_path) == _line(run, 8, 4, "8.orbax-checkpoint-tmp")
     assert _complete_steps(run) == [4]
+
+    # the end of the run, waiting for step 12's save (before the fix: JAX's abort, exit 134)
+    assert _killed(shards, run, 12, tmp_path) == _line(run, 12, 8, "12.orbax-checkpoint-tmp")
+    assert _complete_steps(run) == [4, 8]
 
     rerun = _run_two(shards, run)
     assert [r[0] for r in rerun] == [0, 0], [r[2][-2000:] for r in rerun]
-    assert f"resumed from {run / 'checkpoints' / '4'} at step 4" in rerun[0][1]
+    assert f"resumed from {run / 'checkpoints' / '8'} at step 8" in rerun[0][1]
+    assert _unfinished(run) == []  # the rerun removed 12's unfinished save, and saved 12 anew
     assert _losses(run) == uninterrupted
 
 

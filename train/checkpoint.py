@@ -37,8 +37,9 @@ bytes); a checkpoint that cannot fit is not started, and `DiskFull` names the st
 directory, the size and the free space, and the checkpoints that remain complete. A save that
 runs out of space while writing all the same (ENOSPC, tensorstore's RESOURCE_EXHAUSTED: another
 writer filled the disk) raises the same `DiskFull`; its partial checkpoint stays as orbax's
-temporary folder, which the next start ignores. Either way the run resumes from the newest
-complete checkpoint once space is freed.
+temporary folder (`unfinished_saves`), which the next start removes. Either way the run resumes
+from the newest complete checkpoint once space is freed. A save a lost peer left unfinished
+(train/lost_peer.py) is the same: never restored, removed by the next start.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from jax.experimental import multihost_utils
 from laplace_spec.config import saved_before
 
 ITEMS = ("params", "opt_state", "data", "meta")
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's: <step>.orbax-checkpoint-tmp[-<time>], unfinished
 
 # tensorstore status codes (the start of its error messages) that mean missing or undecodable data
 CORRUPT_STATUS = (
@@ -250,6 +252,7 @@ class Checkpointer:
                 max_to_keep=keep,
                 enable_async_checkpointing=async_save,
                 create=True,
+                cleanup_tmp_directories=True,  # saves a run left unfinished (unfinished_saves)
             ),
             item_handlers=_item_handlers(),
         )
@@ -311,6 +314,11 @@ class Checkpointer:
     def complete_steps(self) -> list[int]:
         """The steps whose checkpoints are complete on disk (orbax's finalised directories)."""
         return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
+
+    def unfinished_saves(self) -> list[str]:
+        """orbax's temporary directories of saves that were never committed (a process lost or a
+        disk full while writing): no restore takes them, and the next start removes them."""
+        return sorted(p.name for p in self.directory.iterdir() if TMP_SUFFIX in p.name)
 
     def read_meta(self, step: int) -> dict:
         return self.reader.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[

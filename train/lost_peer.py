@@ -1,14 +1,24 @@
 """A lost peer: a process of a multi-process run that dies without notice (a kernel panic, an
 OOM kill, a spot reclaim), and how the processes left say so and stop.
 
-Every training step all-reduces across the processes, so within one step of a death XLA
-raises `jax.errors.JaxRuntimeError` in the survivors (on CPU, Gloo's "Connection reset by
-peer"). The error does not say whether a peer died or something else broke. Each process
-therefore keeps a pulse: a thread of its own adds one to its counter in the coordination
-service's key-value store every `pulse_s` seconds (`Pulse`). After such an error a survivor
-watches the counters (`silent_processes`): a process whose counter has not moved twice within
-`--heartbeat-timeout` seconds is lost; when every counter moves, the error is not ours to
-explain and it goes on.
+Each process keeps a pulse: a thread of its own adds one to its counter in the coordination
+service's key-value store every `pulse_s` seconds (`Pulse`). Two ways meet a death:
+
+- A failed step. Every training step all-reduces across the processes, so within one step of
+  a death XLA raises `jax.errors.JaxRuntimeError` in the survivors (on CPU, Gloo's "Connection
+  reset by peer"). The error does not say whether a peer died or something else broke, so the
+  survivor watches the counters (`silent_processes`): a process whose counter has not moved
+  twice within `--heartbeat-timeout` seconds is lost; when every counter moves, the error is not
+  ours to explain and it goes on (the caller re-raises).
+- A wait that never fails. A survivor can be held where no error comes back: a barrier of a
+  checkpoint (orbax waits at one before a save, at the commit of an asynchronous save, at the
+  manager's close at the end of a run, and the processes agree on a restore), or a collective
+  that hangs rather than fails (NCCL's, on a GPU). A watcher thread (`PeerWatch`) therefore reads
+  the counters for the whole run: a process whose counter has stood still for the heartbeat
+  timeout, and that has not said its run ended (`finished`: a process done with its run stops
+  its pulse at exit while another still prints its sample), is lost.
+
+Either way the same line and exit follow, whichever thread sees it first (`leave` lets one).
 
 Why not the service's own heartbeats: the service marks a process dead after its heartbeat
 timeout, and at that same moment (JAX's service is not recoverable) it tells every other
@@ -19,30 +29,32 @@ asked it raced its own abort, and lost about one time in six here. (JAX's
 used: the service calls it experimental, and with it the shutdown barrier at a run's end no
 longer waits for every process.) So the service's heartbeat timeout is set well beyond ours
 (`runtime_heartbeat_timeout_s`): the survivors' verdict and exit come first, and the runtime's
-abort stays as a backstop for a survivor that never reaches ours (one held in a collective that
-does not fail).
+abort stays as a backstop.
 
-While the counters are watched, Python's log records through absl (orbax's) are held back: a
-save in flight fails its commit barrier once a process is gone, and orbax's background thread
-then logs that failure with a traceback. A lost peer explains it (the save is not committed,
-the line names the newest complete checkpoint), so the held records are dropped when a peer is
-lost and logged as they were when none is.
+While the counters are watched after a failed step, Python's log records through absl (orbax's)
+are held back: a save in flight fails its commit barrier once a process is gone, and orbax's
+background thread then logs that failure with a traceback. A lost peer explains it (the save is
+not committed, the line names the newest complete checkpoint), so the held records are dropped
+when a peer is lost and logged as they were when none is. (The watcher's verdict comes before
+the service fails that barrier: its timeout is the runtime's, beyond ours.)
 
 The survivor then prints one line (which process was lost, the step reached, the newest
-complete checkpoint, what to do) and leaves at once with `LOST_PEER_EXIT` through `os._exit`:
-a normal exit would run JAX's shutdown, which waits at a barrier for the lost process (the
-shutdown timeout, 5 minutes) and then aborts, and orbax's wait for a save in flight, whose
-commit needs every process. That save is simply not finished: orbax writes a step into a
-temporary directory and renames it only once every process has written its part (its commit
-protocol), so an unfinished save leaves no directory a rerun takes for a checkpoint; the rerun
-restores the newest step every process committed (train/checkpoint.py `complete_steps`).
+complete checkpoint, the unfinished one if a save was in flight, what to do) and leaves at once
+with `LOST_PEER_EXIT` through `os._exit`: a normal exit would run JAX's shutdown, which waits at
+a barrier for the lost process (the shutdown timeout, 5 minutes) and then aborts, and orbax's
+wait for a save in flight, whose commit needs every process. That save is simply not finished:
+orbax writes a step into a temporary directory and renames it only once every process has
+written its part (its commit protocol), so an unfinished save leaves no directory a rerun takes
+for a checkpoint; the rerun removes it (train/checkpoint.py) and restores the newest step every
+process committed (`complete_steps`).
 
 Not covered: the loss of process 0, which runs the coordination service. The other processes'
 distributed clients then fail their next call to it within a second and abort the process from
 their own thread (exit 134). jax 0.10 takes no other callback from Python: its client factory
 accepts a `missed_heartbeat_callback`, but calling a Python one ends in `std::bad_cast` (the
 status it is handed has no Python form). The survivors still stop promptly and the rerun
-resumes as above; only the line is missing.
+resumes as above; only the line is missing. Nor a peer killed after it finished its run (in
+JAX's shutdown barrier, every checkpoint committed): the runtime's backstop ends the others.
 
 The time from a death to the survivors' exit is at most the heartbeat timeout plus the step in
 flight: `--heartbeat-timeout` (DEFAULT_HEARTBEAT_TIMEOUT_S). Importing this module imports no
@@ -68,7 +80,9 @@ LOST_PEER_EXIT = 69
 # 64-core host or a congested network between hosts to miss a few beats (a thread of its own
 # beats, not the training step); short against a step of minutes' checkpoints.
 DEFAULT_HEARTBEAT_TIMEOUT_S = 60
-PULSE_KEY = "laplace/pulse/"  # + the process index: its counter in the service's key-value store
+KEYS = "laplace/"  # this module's keys in the service's key-value store:
+PULSE_KEY = KEYS + "pulse/"  # + the process index: its counter
+FINISHED_KEY = KEYS + "finished/"  # + the process index: set when its run has ended on its own
 
 
 def pulse_s(heartbeat_timeout_s: float) -> float:
@@ -91,6 +105,7 @@ class Progress:
     step: int = 0  # the last step every process finished
     checkpointer: object = None  # train.checkpoint.Checkpointer, once the run has one
     heartbeat_timeout_s: float | None = None  # set by initialize_distributed
+    watch: PeerWatch | None = None  # the watcher thread, likewise
 
 
 PROGRESS = Progress()
@@ -103,6 +118,9 @@ def lost_peer_line(lost: list[int]) -> str:
     ckpt = PROGRESS.checkpointer
     complete = ckpt.complete_steps() if ckpt is not None else []
     newest = f"step {complete[-1]} ({ckpt.directory / str(complete[-1])})" if complete else "none"
+    unfinished = ckpt.unfinished_saves() if ckpt is not None else []
+    if unfinished:  # a save in flight, never committed
+        newest += f"; unfinished, removed by the rerun: {', '.join(unfinished)}"
     return (
         f"lost peer: process {', '.join(map(str, lost))} of {jax.process_count()} left the run "
         f"after step {PROGRESS.step} (this is process {jax.process_index()}); newest complete "
@@ -111,9 +129,13 @@ def lost_peer_line(lost: list[int]) -> str:
     )
 
 
+_LEAVING = threading.Lock()  # held by the one thread that prints the line and exits
+
+
 def leave(line: str) -> None:
     """Print `line` and exit with LOST_PEER_EXIT now, without JAX's or orbax's shutdown (they
-    would wait for the lost process)."""
+    would wait for the lost process). A second thread that gets here waits for the exit."""
+    _LEAVING.acquire()
     sys.stdout.flush()
     sys.stderr.flush()
     # one write of the whole line: the runtime's C++ threads log to the same stream meanwhile,
@@ -145,9 +167,62 @@ class Pulse:
         self.thread.join()
 
 
+def _by_process(entries, prefix: str) -> dict[int, int]:
+    """{process index: value} of the key-value entries under `prefix`."""
+    return {int(k[len(prefix) :]): int(v) for k, v in entries if k.startswith(prefix)}
+
+
 def _beats(client) -> dict[int, int]:
     """Every process's pulse counter, in one request."""
-    return {int(k[len(PULSE_KEY) :]): int(v) for k, v in client.key_value_dir_get(PULSE_KEY)}
+    return _by_process(client.key_value_dir_get(PULSE_KEY), PULSE_KEY)
+
+
+def _beats_and_finished(client) -> tuple[dict[int, int], set[int]]:
+    """Every process's pulse counter, and the processes whose runs have ended, in one request."""
+    entries = client.key_value_dir_get(KEYS)
+    return _by_process(entries, PULSE_KEY), set(_by_process(entries, FINISHED_KEY))
+
+
+class PeerWatch:
+    """The other processes' pulses, read by a daemon thread of this process every `poll_s`
+    seconds until `stop`: a process whose counter has stood still for `timeout_s` seconds and
+    that has not finished its run is lost, and the thread prints the line and leaves (`leave`).
+    The service unreachable as long counts as process 0 (it runs there) lost."""
+
+    def __init__(self, client, timeout_s: float, poll_s: float):
+        import jax
+
+        self.client, self.timeout_s, self.poll_s = client, timeout_s, poll_s
+        me = jax.process_index()
+        self.others = [p for p in range(jax.process_count()) if p != me]
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="laplace-peer-watch", daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        import jax
+
+        moved: dict[int, tuple[int | None, float]] = {}  # process -> (counter, when it last moved)
+        reached = time.monotonic()  # when the service last answered
+        while not self.stopped.wait(self.poll_s):
+            now = time.monotonic()
+            try:
+                beats, done = _beats_and_finished(self.client)
+            except jax.errors.JaxRuntimeError:
+                if now - reached >= self.timeout_s:
+                    leave(lost_peer_line([0]))
+                continue
+            reached = now
+            for p in self.others:
+                if p not in moved or moved[p][0] != beats.get(p):
+                    moved[p] = (beats.get(p), now)
+            lost = [p for p in self.others if p not in done and now - moved[p][1] >= self.timeout_s]
+            if lost and not self.stopped.is_set():
+                leave(lost_peer_line(lost))
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
 
 
 def silent_processes(client, timeout_s: float, poll_s: float) -> list[int]:
@@ -235,5 +310,21 @@ def initialize_distributed(heartbeat_timeout_s: int, **kwargs) -> None:
     jax.distributed.initialize(heartbeat_timeout_seconds=runtime_timeout, **kwargs)
     client = distributed.global_state.client
     pulse = Pulse(client, jax.process_index(), pulse_s(heartbeat_timeout_s))
-    atexit.register(pulse.stop)  # before JAX's client goes (atexit runs the last registered first)
-    PROGRESS.heartbeat_timeout_s = heartbeat_timeout_s
+    watch = PeerWatch(client, heartbeat_timeout_s, pulse_s(heartbeat_timeout_s))
+    # both stop before JAX's client goes (atexit runs the last registered first)
+    atexit.register(pulse.stop)
+    atexit.register(watch.stop)
+    PROGRESS.heartbeat_timeout_s, PROGRESS.watch = heartbeat_timeout_s, watch
+
+
+def finished() -> None:
+    """This process's run has ended on its own (with whatever status the trainer returns): the
+    others stop watching its pulse, which stops at its exit, and it stops watching theirs. Does
+    nothing in a one-process run."""
+    import jax
+    from jax._src import distributed
+
+    if PROGRESS.watch is None:
+        return
+    PROGRESS.watch.stop()
+    distributed.global_state.client.key_value_set(f"{FINISHED_KEY}{jax.process_index()}", "1")

@@ -68,7 +68,7 @@ def run(args, hooks: Hooks | None = None) -> int:
     """Set up, train, finish: the run's exit status. Whatever happens, the started checkpoint
     save is finished (or abandoned when the disk is full) and the trace and logs are closed."""
     t = set_up(args)
-    lost_peer.PROGRESS.step, lost_peer.PROGRESS.checkpointer = t.start, t.ckpt
+    lost_peer.PROGRESS.step = t.start  # the checkpointer is set by set_up
     watch = PreemptionWatch(t.ckpt.manager.reached_preemption)
     try:
         return finish(t, train_loop(t, hooks or Hooks(), watch))
@@ -97,6 +97,16 @@ def run(args, hooks: Hooks | None = None) -> int:
 
 
 def main(argv=None, hooks: Hooks | None = None) -> int:
+    """The run's exit status; with several processes, this one's end is told to the others
+    first (train/lost_peer.py `finished`), so that a process still finishing its own does not
+    count this one, gone quiet, as lost."""
+    status = run_to_status(argv, hooks)
+    lost_peer.finished()
+    return status
+
+
+def run_to_status(argv=None, hooks: Hooks | None = None) -> int:
+    """Parse, run, and turn the errors a user can fix into one `error:` line and status 2."""
     from train.data import ShardError
 
     args = cli.parse_args(argv)

@@ -10,7 +10,7 @@ import jax
 
 from laplace_jax.sharding import CONTEXT, param_axes
 from laplace_spec.config import ConfigError
-from train import cli
+from train import cli, lost_peer
 from train.build import build_model, restore_or_init
 from train.checkpoint import Checkpointer
 from train.config import batch_layout
@@ -69,6 +69,7 @@ def set_up(args) -> Trainer:
     if args.restart:  # asked for, and the rest of the set-up is valid
         restart_aside(run_dir, ckpt_dir, say)
     ckpt = Checkpointer(ckpt_dir, cfg.train.keep_checkpoints, cfg.train.async_checkpoints)
+    lost_peer.PROGRESS.checkpointer = ckpt  # a peer lost while restoring: the line names them
     try:
         state, start, notes = restore_or_init(cfg, parts, ckpt, batches, args.init_from)
     except BaseException:
