@@ -133,11 +133,19 @@ def identity_cosine(variant: str, seed: int = 0, n: int = 64) -> float:
 
         params = init_params(cfg, jax.random.key(seed))
         x = LaplaceLM(cfg).apply({"params": params}, jnp.asarray(tokens), method=attention_input)
-    x = np.asarray(x, np.float64)
-    x = x - x.mean(-1, keepdims=True)  # LayerNorm_1 at initialisation (scale 1, no bias)
-    x /= np.linalg.norm(x, axis=-1, keepdims=True)
+    return key_query_cosine(np.asarray(x, np.float64), tokens)
+
+
+def key_query_cosine(x, tokens) -> float:
+    """x [B, 63, D]: an attention layer's input on MQAR (64, 4) sequences `tokens`; the mean
+    cosine, once normalised as LayerNorm_1 at initialisation does (scale 1, no bias), between a
+    key's pair position and each position where that key comes back as a query."""
+    import numpy as np
+
+    x = x - x.mean(-1, keepdims=True)
+    x = x / np.linalg.norm(x, axis=-1, keepdims=True)
     cosines = []
-    for b in range(n):
+    for b in range(x.shape[0]):
         for i in range(4):  # pair i: key at 2i; its query where the key comes back after 2P
             later = np.nonzero(tokens[b, 8:] == tokens[b, 2 * i])[0]
             cosines += [float(x[b, 2 * i] @ x[b, 8 + q]) for q in later]

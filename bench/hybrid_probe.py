@@ -1,0 +1,93 @@
+"""Probe a trained MQAR hybrid (docs/design.md s13.5): which layer does its recall.
+
+    python -m bench.hybrid_probe RUN_DIR [RUN_DIR ...]
+
+For each run directory of bench.retrieval (`runs/bench-retrieval/<run>`, its checkpoint at the
+last step), on fresh MQAR sequences: the accuracy at (64, 4) and (128, 8) as trained, and with
+each layer's mixer output projection zeroed (that layer's whole mixer contribution removed, as
+tests/test_hybrid_recall.py does for the attention layer); then, at the first attention layer's
+input, the RMS of the scaled embedding and of what each layer before it adds, and the identity
+cosine of bench.hybrid_init (a key's pair position against where the key comes back as a query),
+here after training. Prints one block per run; writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.hybrid_init import key_query_cosine
+from laplace_jax.model import LaplaceLM, init_state
+from train import eval as train_eval
+from train.cli import mesh_from_flag
+from train.tasks import mqar
+
+VOCAB = 256  # bench.retrieval's task vocabulary
+
+
+def accuracy(cfg, params, seq_len: int, pairs: int) -> float:
+    tokens, mask = mqar(128, seq_len, pairs, VOCAB, seed=(7, seq_len, pairs))
+    logits, _ = jax.jit(lambda p, t: LaplaceLM(cfg).apply({"params": p}, t))(
+        params, jnp.asarray(tokens[:, :-1])
+    )
+    hit = (np.asarray(jnp.argmax(logits, -1)) == tokens[:, 1:]) & mask
+    return float(hit.sum() / mask.sum())
+
+
+def without_mixer(params, layer: str):
+    """`params` with `layer`'s mixer output projection zeroed."""
+    out = {**params[layer]["out"], "kernel": np.zeros_like(params[layer]["out"]["kernel"])}
+    return {**params, layer: {**params[layer], "out": out}}
+
+
+def residual_parts(cfg, params, tokens) -> list[np.ndarray]:
+    """[the scaled embedding, the stream after each layer before the first attention layer]."""
+    first = cfg.layer_mixers.index("attention")
+
+    def parts(model, tokens):
+        x = model.embed(tokens) * cfg.embed_multiplier
+        out, state = [x], init_state(cfg, tokens.shape[0])
+        for i in range(first):
+            x, _ = model.layers[i](x, state[f"layer_{i}"])
+            out.append(x)
+        return out
+
+    xs = LaplaceLM(cfg).apply({"params": params}, jnp.asarray(tokens), method=parts)
+    return [np.asarray(x, np.float64) for x in xs]
+
+
+def probe(run: Path) -> None:
+    ckpt = run / "checkpoints"
+    step = max(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+    cfg, params, _ = train_eval.load_checkpoint(ckpt, step, mesh_from_flag("fsdp=1"))
+    params = jax.device_get(params)
+    print(f"{run.name}: layers {cfg.layer_mixers}, embedding x {cfg.embed_multiplier:.3g}")
+    settings = ((64, 4), (128, 8))
+    print("  as trained:", ", ".join(f"{accuracy(cfg, params, *s):.1%} at {s}" for s in settings))
+    for i, mixer in enumerate(cfg.layer_mixers):
+        zeroed = without_mixer(params, f"layer_{i}")
+        accs = ", ".join(f"{accuracy(cfg, zeroed, *s):.1%} at {s}" for s in settings)
+        print(f"  layer {i} ({mixer}) output zeroed: {accs}")
+    tokens, _ = mqar(64, 64, 4, VOCAB, seed=(0, 64, 4))
+    tokens = tokens[:, :-1]
+    xs = residual_parts(cfg, params, tokens)
+    rms = [float(np.sqrt(np.mean(x**2))) for x in (xs[0], *np.diff(xs, axis=0))]
+    adds = ", ".join(f"{r:.3g}" for r in rms[1:])
+    print(f"  at the attention layer's input: embedding RMS {rms[0]:.3g}; each layer adds {adds}")
+    print(f"  identity cosine there: {key_query_cosine(xs[-1], tokens):.2f}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.hybrid_probe", description=__doc__)
+    ap.add_argument("runs", nargs="+", type=Path, help="bench.retrieval run directories")
+    for run in ap.parse_args(argv).runs:
+        probe(run)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
