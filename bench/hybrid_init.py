@@ -106,10 +106,7 @@ def applied(patch: str | None):
 def identity_cosine(variant: str, seed: int = 0, n: int = 64) -> float:
     """At initialisation: the mean cosine between the first attention layer's normalised input
     at a key's pair position and at the same key's query position (MQAR (64, 4))."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    from laplace_jax.model import LaplaceLM, init_params, init_state
+    from laplace_jax.model import init_params
     from laplace_spec.config import get_config
     from train.tasks import mqar
 
@@ -122,18 +119,31 @@ def identity_cosine(variant: str, seed: int = 0, n: int = 64) -> float:
     tokens = tokens[:, :-1]
     with applied(patch):
         cfg = get_config("tiny", overrides)
-        first = cfg.layer_mixers.index("attention")
-
-        def attention_input(model, tokens):  # the residual stream the attention layer reads
-            x = model.embed(tokens) * cfg.embed_multiplier
-            state = init_state(cfg, tokens.shape[0])
-            for i in range(first):
-                x, _ = model.layers[i](x, state[f"layer_{i}"])
-            return x
-
         params = init_params(cfg, jax.random.key(seed))
-        x = LaplaceLM(cfg).apply({"params": params}, jnp.asarray(tokens), method=attention_input)
-    return key_query_cosine(np.asarray(x, np.float64), tokens)
+        x = residual_parts(cfg, params, tokens)[-1]  # the stream the attention layer reads
+    return key_query_cosine(x, tokens)
+
+
+def residual_parts(cfg, params, tokens) -> list:
+    """[the scaled embedding, the residual stream after each layer before the first attention
+    layer], each [B, T, D] float64 numpy, for `tokens` [B, T]."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from laplace_jax.model import LaplaceLM, init_state
+
+    first = cfg.layer_mixers.index("attention")
+
+    def parts(model, tokens):
+        x = model.embed(tokens) * cfg.embed_multiplier
+        out, state = [x], init_state(cfg, tokens.shape[0])
+        for i in range(first):
+            x, _ = model.layers[i](x, state[f"layer_{i}"])
+            out.append(x)
+        return out
+
+    xs = LaplaceLM(cfg).apply({"params": params}, jnp.asarray(tokens), method=parts)
+    return [np.asarray(x, np.float64) for x in xs]
 
 
 def key_query_cosine(x, tokens) -> float:

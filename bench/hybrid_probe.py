@@ -17,11 +17,9 @@ import argparse
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from bench.hybrid_init import key_query_cosine
-from laplace_jax.model import LaplaceLM, init_state
+from bench.hybrid_init import key_query_cosine, residual_parts
 from train import eval as train_eval
 from train.cli import mesh_from_flag
 from train.tasks import mqar
@@ -29,13 +27,12 @@ from train.tasks import mqar
 VOCAB = 256  # bench.retrieval's task vocabulary
 
 
-def accuracy(cfg, params, seq_len: int, pairs: int) -> float:
+def accuracy(score_tokens, params, seq_len: int, pairs: int) -> float:
+    """MQAR accuracy per answer token on fresh sequences, scored as train.eval scores them."""
     tokens, mask = mqar(128, seq_len, pairs, VOCAB, seed=(7, seq_len, pairs))
-    logits, _ = jax.jit(lambda p, t: LaplaceLM(cfg).apply({"params": p}, t))(
-        params, jnp.asarray(tokens[:, :-1])
-    )
-    hit = (np.asarray(jnp.argmax(logits, -1)) == tokens[:, 1:]) & mask
-    return float(hit.sum() / mask.sum())
+    _, greedy = score_tokens(params, tokens)
+    counts = train_eval.score(greedy, tokens, mask)
+    return counts["correct"] / counts["answers"]
 
 
 def without_mixer(params, layer: str):
@@ -44,34 +41,23 @@ def without_mixer(params, layer: str):
     return {**params, layer: {**params[layer], "out": out}}
 
 
-def residual_parts(cfg, params, tokens) -> list[np.ndarray]:
-    """[the scaled embedding, the stream after each layer before the first attention layer]."""
-    first = cfg.layer_mixers.index("attention")
-
-    def parts(model, tokens):
-        x = model.embed(tokens) * cfg.embed_multiplier
-        out, state = [x], init_state(cfg, tokens.shape[0])
-        for i in range(first):
-            x, _ = model.layers[i](x, state[f"layer_{i}"])
-            out.append(x)
-        return out
-
-    xs = LaplaceLM(cfg).apply({"params": params}, jnp.asarray(tokens), method=parts)
-    return [np.asarray(x, np.float64) for x in xs]
-
-
 def probe(run: Path) -> None:
     ckpt = run / "checkpoints"
     step = max(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
-    cfg, params, _ = train_eval.load_checkpoint(ckpt, step, mesh_from_flag("fsdp=1"))
+    mesh = mesh_from_flag("fsdp=1")
+    cfg, params, _ = train_eval.load_checkpoint(ckpt, step, mesh)
     params = jax.device_get(params)
+    score_tokens = train_eval.make_scorer(cfg, mesh)
     print(f"{run.name}: layers {cfg.layer_mixers}, embedding x {cfg.embed_multiplier:.3g}")
-    settings = ((64, 4), (128, 8))
-    print("  as trained:", ", ".join(f"{accuracy(cfg, params, *s):.1%} at {s}" for s in settings))
+
+    def accuracies(p) -> str:
+        return ", ".join(f"{accuracy(score_tokens, p, *s):.1%} at {s}" for s in ((64, 4), (128, 8)))
+
+    print("  as trained:", accuracies(params))
     for i, mixer in enumerate(cfg.layer_mixers):
-        zeroed = without_mixer(params, f"layer_{i}")
-        accs = ", ".join(f"{accuracy(cfg, zeroed, *s):.1%} at {s}" for s in settings)
-        print(f"  layer {i} ({mixer}) output zeroed: {accs}")
+        print(
+            f"  layer {i} ({mixer}) output zeroed:", accuracies(without_mixer(params, f"layer_{i}"))
+        )
     tokens, _ = mqar(64, 64, 4, VOCAB, seed=(0, 64, 4))
     tokens = tokens[:, :-1]
     xs = residual_parts(cfg, params, tokens)

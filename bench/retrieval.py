@@ -442,14 +442,13 @@ def summarise(sweep, best, state, passkey, contexts) -> dict:
     headline["passkey_acc_laplace_max_depth"] = next(
         c["accuracy"] for c in laplace["cells"] if c["context"] == deepest and c["depth"] == 0.0
     )
-    hybrid = next(r for r in table if (r["seq_len"], r["num_pairs"]) == MQAR_SETTINGS[0])
-    headline["mqar_min_seed_hybrid_64_4"] = min(hybrid["hybrid_seeds"])
-    headline["mqar_min_seed_hybrid4_64_4"] = min(hybrid["hybrid4_seeds"])
-    for name in ("hybrid", "hybrid4"):  # each hybrid's worst depth at the longest context
-        hybrid = next((p for p in pk if p["mixer"] == name), None)
-        if hybrid is not None:
+    easiest = next(r for r in table if (r["seq_len"], r["num_pairs"]) == MQAR_SETTINGS[0])
+    for name in ("hybrid", "hybrid4"):
+        headline[f"mqar_min_seed_{name}_64_4"] = min(easiest[f"{name}_seeds"])  # the worst seed
+        run = next((p for p in pk if p["mixer"] == name), None)
+        if run is not None:  # its worst depth at the longest context
             headline[f"passkey_acc_{name}_{deepest}_min"] = min(
-                c["accuracy"] for c in hybrid["cells"] if c["context"] == deepest
+                c["accuracy"] for c in run["cells"] if c["context"] == deepest
             )
     return {"headline": headline, "mqar": table, "sweep": sweep, "state": points, "passkey": pk}
 
