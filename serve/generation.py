@@ -110,3 +110,16 @@ class DecodeRunner:
         logits, gla, conv = self.fn(tokens, tuple(state.gla), tuple(state.conv))
         state = LaplaceState(list(gla), list(conv))
         return logits[:n], (state.select(slice(0, n)) if w > n else state)
+
+
+@torch.no_grad()
+def stepwise_logprobs(model: LaplaceForCausalLM, prompt: list[int], tokens: list[int]):
+    """Log-probabilities [len(tokens), vocab] (fp32) of each next token after `prompt` and the
+    tokens before it, computed as a server computes them: the prompt prefilled, then `tokens`
+    fed one at a time from the state (teacher-forced decoding)."""
+    out = model(torch.tensor([prompt], dtype=torch.long))
+    rows = [out.logits[0, -1]]
+    for t in tokens[:-1]:
+        out = model(torch.tensor([[t]], dtype=torch.long), out.state)
+        rows.append(out.logits[0, -1])
+    return torch.log_softmax(torch.stack(rows).float(), -1)

@@ -26,6 +26,14 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     return F.layer_norm(x.to(f32), x.shape[-1:], weight.to(f32), None, eps).to(x.dtype)
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(x[..., :F]) * x[..., F:] for x [..., 2F]: in fp32, rounded to x's dtype once (the
+    bf16 contract, docs/design.md s12.4; vLLM's CUDA kernel and its compiled form compute the
+    same, its x86 CPU form in eager mode rounds twice)."""
+    gate, up = x.to(f32).chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
 def conv_taps(weight: torch.Tensor) -> torch.Tensor:
     """weight [D, W] (the exported layout) -> taps [W, D], each tap's D weights contiguous: a
     product with a strided column of `weight` takes torch's slow elementwise path."""
@@ -36,29 +44,30 @@ def causal_conv(h, window, weight, bias):
     """u_t = SiLU(b + sum_j w[:, j] h_{t-W+1+j}).
 
     h: [B, T, D] new inputs; window: [B, W, D] the last W inputs before them (fp32);
-    weight: [D, W]; bias: [D]. Returns (u [B, T, D], new window [B, W, D] fp32).
-    The W products are in h's dtype, their sum one reduction over the taps (accumulated in
-    fp32 for bf16), as in `causal_conv_step`.
+    weight: [D, W]; bias: [D]. Returns (u [B, T, D] in h's dtype, new window [B, W, D] fp32).
+    The bf16 contract (docs/design.md s12.4), as vLLM's conv kernels: the products, their sum
+    over the taps, the bias and the SiLU all in fp32, u rounded to h's dtype once; the same
+    arithmetic, in the same order, as `causal_conv_step`.
     """
     T, W = h.shape[1], weight.shape[1]
-    taps = conv_taps(weight)  # [W, D]
-    seq = torch.cat([window.to(h.dtype), h], dim=1)  # [B, W + T, D]
+    taps = conv_taps(weight.to(f32))  # [W, D]
+    seq = torch.cat([window.to(f32), h.to(f32)], dim=1)  # [B, W + T, D] fp32
     # output t sees seq[t + 1 .. t + W]: products [B, T, W, D], summed over the taps
     acc = torch.stack([taps[j] * seq[:, 1 + j : 1 + j + T] for j in range(W)], dim=2).sum(2)
-    return F.silu(bias + acc), seq[:, -W:].to(f32)
+    return F.silu(bias.to(f32) + acc).to(h.dtype), seq[:, -W:]
 
 
 def causal_conv_step(h, window, weight, bias):
     """`causal_conv` for one new input per sequence (a decode step), without its [B, T, ...]
     buffers, in few ops (a decode step's cost is their count): bit-identical to `causal_conv`
-    with T = 1 (the same products, summed in the same order over the W taps).
+    with T = 1 (the same fp32 products, summed in the same order over the W taps).
 
-    h: [B, D]; window: [B, W, D] fp32. Returns (u [B, D], new window [B, W, D] fp32):
-    the new window is the last W inputs, and u = SiLU(b + sum_j w[:, j] window'[j]).
+    h: [B, D]; window: [B, W, D] fp32. Returns (u [B, D] in h's dtype, new window [B, W, D]
+    fp32): the new window is the last W inputs, and u = SiLU(b + sum_j w[:, j] window'[j]).
     """
     new = torch.cat([window[:, 1:], h.to(f32)[:, None]], dim=1)  # [B, W, D]
-    acc = (new.to(h.dtype) * weight.t()).sum(1)  # [B, D]: the W products, one reduction
-    return F.silu(bias + acc), new
+    acc = (new * weight.t().to(f32)).sum(1)  # [B, D]: the W products, one reduction
+    return F.silu(bias.to(f32) + acc).to(h.dtype), new
 
 
 def gla_recurrent(q, k, v, log_decay, state, scale):

@@ -50,7 +50,14 @@ from transformers.utils import ModelOutput
 from laplace_spec.config import LaplaceConfig
 from laplace_spec.names import WeightError, check_tensors
 from serve.configuration_laplace import LaplaceHFConfig
-from serve.kernels import causal_conv, causal_conv_step, gla_chunked, gla_step, layer_norm
+from serve.kernels import (
+    causal_conv,
+    causal_conv_step,
+    gla_chunked,
+    gla_step,
+    layer_norm,
+    silu_and_mul,
+)
 
 f32 = torch.float32
 
@@ -239,7 +246,8 @@ class LaplaceMixer(nn.Module):
         # head RMSNorm, one scale per tier of contiguous heads: o rsqrt(mean(o^2) + eps) w_tier
         o = F.rms_norm(o, (dv,), eps=self.eps).view(*lead, tiers, self.heads_per_tier, dv)
         o = o * self.head_norm_weight.to(f32)[:, None, :]  # [..., tiers, H / tiers, dv]
-        y = o.view(*lead, H * dv).to(g.dtype) * F.silu(g)
+        # the gate in fp32, rounded to the activations' dtype once (the bf16 contract, s12.4)
+        y = (o.view(*lead, H * dv) * F.silu(g.to(f32))).to(g.dtype)
         return self.out_proj(y)
 
 
@@ -259,17 +267,22 @@ class LaplaceAttentionMixer(LaplaceMixer):
         return self.output(o, q, k, v, g), window, (keys, values)
 
     def attend(self, q, keys, values, valid):
-        """o [B, T, H, dv] fp32: query i, the (t - T + i)-th token, attends to the keys of the
-        tokens up to itself that are valid; scale qk_scale, as the JAX layer."""
+        """o [B, T, H, dv] (fp32, holding values of q's dtype): query i, the (t - T + i)-th
+        token, attends to the keys of the tokens up to itself that are valid; scale qk_scale,
+        as the JAX layer. Computed as a flash-attention kernel rounds (the bf16 contract,
+        docs/design.md s12.4): scores in fp32, their exponentials rounded to the activations'
+        dtype for the product with the values (accumulated in fp32), divided by the fp32 sum of
+        the unrounded ones, the output rounded once. In fp32 this is plain softmax attention."""
         T, t = q.shape[1], keys.shape[1]
         position = torch.arange(t, device=q.device)
         causal = position[None, :] <= (t - T + torch.arange(T, device=q.device))[:, None]
         mask = causal[None, None] & valid[:, None, None, :]  # [B, 1, T, t]
         heads = lambda x: x.transpose(1, 2).to(f32)  # noqa: E731  [B, ., H, d] -> [B, H, ., d]
-        o = F.scaled_dot_product_attention(
-            heads(q), heads(keys), heads(values), attn_mask=mask, scale=self.scale
-        )
-        return o.transpose(1, 2)  # [B, T, H, dv]
+        scores = heads(q) @ heads(keys).transpose(-1, -2) * self.scale  # [B, H, T, t]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        e = torch.exp(scores - scores.amax(-1, keepdim=True))  # [B, H, T, t], max 1 per row
+        o = (e.to(q.dtype).to(f32) @ heads(values)) / e.sum(-1, keepdim=True)  # [B, H, T, dv]
+        return o.transpose(1, 2).to(q.dtype).to(f32)  # [B, T, H, dv]
 
 
 class LaplaceMLP(nn.Module):
@@ -279,8 +292,7 @@ class LaplaceMLP(nn.Module):
         self.w3 = LaplaceLinear(config.ffn_dim, config.d_model)
 
     def forward(self, x):
-        gate, up = self.w12(x).chunk(2, dim=-1)
-        return self.w3(F.silu(gate) * up)
+        return self.w3(silu_and_mul(self.w12(x)))  # W_3 (SiLU(W_1 x) * (W_2 x))
 
 
 class LaplaceLayerNorm(nn.Module):

@@ -60,7 +60,6 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
@@ -101,7 +100,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from laplace_spec import names
 from laplace_spec.config import LaplaceConfig
-from serve.kernels import causal_conv, gla_chunked
+from serve.kernels import causal_conv, gla_chunked, silu_and_mul
 from serve.modeling_laplace import LaplaceLayerNorm, LaplaceMixer
 
 f32 = torch.float32
@@ -263,7 +262,9 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
         td, n = meta.num_decode_tokens, meta.num_decode_tokens + meta.num_prefill_tokens
         conv_pages = self.kv_cache[0]
         conv_state = conv_pages if is_conv_state_dim_first() else conv_pages.transpose(-1, -2)
-        w, b = self.conv_weight, self.conv_bias  # [D, W] (the exported layout is Mamba2's)
+        # [D, W] (the exported layout is Mamba2's) and [D], in fp32: with fp32 weights the
+        # prefill kernel sums in fp32 and rounds u once, as the decode kernel does (s12.4)
+        w, b = self.conv_weight.to(f32), self.conv_bias.to(f32)
         if meta.num_prefills == 0 and N == n:  # the common step: decodes only, no padding
             return causal_conv1d_update(
                 h, conv_state, w, b, "silu", conv_state_indices=meta.state_indices_tensor_d
@@ -398,18 +399,20 @@ direct_register_custom_op(
 
 class LaplaceVLLMMLP(nn.Module):
     """LaplaceMLP's math on vLLM's MLP layers (as vLLM's LlamaMLP): the fused [W_1; W_2] as one
-    `MergedColumnParallelLinear` (the exported tensor is fused), vLLM's `SiluAndMul` (its C++
-    op in eager mode: SiLU(first half) * second half), W_3 a `RowParallelLinear`."""
+    `MergedColumnParallelLinear` (the exported tensor is fused), W_3 a `RowParallelLinear`.
+    Between them `silu_and_mul` (serve/kernels.py), not vLLM's `SiluAndMul`: on x86 CPUs that
+    layer's eager form rounds SiLU(gate) to bf16 before the product and its compiled form does
+    not, so the served tokens would depend on the compile mode; ours is fp32, rounded once, in
+    every mode (the bf16 contract, docs/design.md s12.4)."""
 
     def __init__(self, config: LaplaceConfig, prefix: str):
         super().__init__()
         D, F = config.d_model, config.ffn_dim
         self.w12 = _linear(MergedColumnParallelLinear, D, [F, F], f"{prefix}.w12")
-        self.act = SiluAndMul()
         self.w3 = _linear(RowParallelLinear, F, D, f"{prefix}.w3")
 
     def forward(self, x):  # [N, D] -> [N, D]
-        return self.w3(self.act(self.w12(x)))
+        return self.w3(silu_and_mul(self.w12(x)))
 
 
 class LaplaceVLLMDecoderLayer(nn.Module):

@@ -225,11 +225,12 @@ def test_server_rejects_bad_requests_and_keeps_serving(server, bad):
 
 # ---- bf16 served as bf16; defaults derived from the folder -----------------------------------
 
-# vLLM's Mamba2 conv kernels sum the taps in fp32 where the PyTorch module sums them in bf16
-# (docs/design.md s12.3): observed 3.3e-2 on an AMD EPYC (before, with the PyTorch kernels on
-# both sides: 5.1e-4 there, 1.6e-2 on a Xeon with AVX-512 BF16 / AMX); bf16 vs fp32 on the same
-# tokens differs by 3.8e-2 to 4.8e-2
-BF16_LOGPROB_TOL = 5e-2
+# The two bf16 paths follow one contract (docs/design.md s12.4), so they differ only where vLLM's
+# kernels sum in another fp32 order than the PyTorch ones (GEMMs, the GLA's output): rarely
+# enough, in this tiny model, that the served log-probabilities equal the module's run the way
+# vLLM runs it (0.0 on an Intel Xeon; 1.6e-2 before the contract, against the module's
+# whole-sequence form, which itself differs from its token-by-token form by that much in bf16)
+BF16_LOGPROB_TOL = 5e-3
 
 
 def _dtypes(worker):
@@ -242,14 +243,15 @@ def _dtypes(worker):
 
 def test_vllm_bf16_export_served_as_bf16(exported, prompts):
     """A bf16 export is served with bf16 weights and fp32 state pages; the log-probabilities of
-    the tokens vLLM picks equal the PyTorch bf16 module's on the same sequence (teacher-forced)
-    within BF16_LOGPROB_TOL, and each is the module's own greedy pick or within that tolerance
-    of it (bf16's rounding, ordered differently by the two sides' kernels, can flip a near tie;
-    greedy tokens are exact in fp32: the tests above)."""
+    the tokens vLLM picks equal the PyTorch bf16 module's on the same tokens (teacher-forced,
+    prefill then one token at a time, as vLLM runs) within BF16_LOGPROB_TOL, and its greedy
+    tokens are the module's; a divergence reports the module's top-two margin where it
+    happens (a near tie that a rounding apart could flip)."""
     import torch
     from vllm import SamplingParams
 
     from export import exporter
+    from serve.generation import stepwise_logprobs
     from serve.modeling_laplace import LaplaceForCausalLM
     from serve.vllm_adapter import make_llm
 
@@ -274,14 +276,16 @@ def test_vllm_bf16_export_served_as_bf16(exported, prompts):
     for p, o in zip(prompts, outs, strict=True):
         toks = list(o.outputs[0].token_ids)
         got = torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, toks, strict=True)])
-        with torch.no_grad():
-            logits = module(torch.tensor([p + toks])).logits[0, len(p) - 1 : -1]
-        logp = torch.log_softmax(logits.float(), -1)  # [N_NEW, vocab]
+        logp = stepwise_logprobs(module, p, toks)  # [N_NEW, vocab]
         want = logp[torch.arange(N_NEW), toks]
-        assert (got - want).abs().max().item() <= BF16_LOGPROB_TOL, (got - want).abs().max()
-        # each token is the module's greedy pick, or within the tolerance of it (a near tie
-        # that the two sides' bf16 rounding orders differently)
-        assert (logp.max(-1).values - want).max().item() <= BF16_LOGPROB_TOL
+        gap = (got - want).abs()
+        assert gap.max().item() <= BF16_LOGPROB_TOL, (len(p), gap.argmax().item(), gap.max())
+        picks = logp.argmax(-1).tolist()
+        if picks != toks:
+            t = next(i for i, (a, b) in enumerate(zip(picks, toks, strict=True)) if a != b)
+            top2 = logp[t].topk(2).values
+            margin = (top2[0] - top2[1]).item()
+            raise AssertionError(f"prompt of {len(p)}: greedy parts at step {t}, margin {margin}")
 
 
 def test_default_max_num_seqs_from_the_state_page_budget(llm, exported):

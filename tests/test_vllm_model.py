@@ -336,11 +336,18 @@ def test_vllm_mixer_decode_only_step_equals_per_sequence(monkeypatch, tp_group):
             _close(mixer.kv_cache[1][SLOTS[i]], gla1[0].transpose(-1, -2))
 
 
+def bf16_spacing(x: torch.Tensor) -> torch.Tensor:
+    """The gap between x's bf16 values and the next ones up in magnitude (8 significant bits)."""
+    return torch.exp2(torch.floor(torch.log2(x.float().abs().clamp_min(2.0**-126))) - 7)
+
+
 def test_vllm_mixer_bf16_step_equals_the_reference(monkeypatch, tp_group):
-    """The same step with bf16 weights and activations (fp32 pages): vLLM's kernels against the
-    PyTorch reference on each sequence, within bf16's rounding: vLLM's conv sums its products
-    in fp32 where the reference's are bf16, and its GLA outputs are bf16 where the reference's
-    are fp32 (seen: outputs 4.7% of their largest entry at worst, GLA states 0.8%)."""
+    """The same step with bf16 weights and activations (fp32 pages): vLLM's kernels and the
+    PyTorch reference follow one bf16 contract (docs/design.md s12.4: the conv, the gate and the
+    GLA in fp32, each rounded to bf16 once), so each sequence's outputs are the reference's bit
+    for bit, but for the rare entry where the two sides' fp32 summation orders round to
+    neighbouring bf16 values (none seen on an Intel Xeon); the GLA pages agree to fp32's
+    rounding. Before the contract: outputs 4.7% of their largest entry apart, pages 0.8%."""
     from serve.modeling_laplace import LaplaceMixer
 
     mixer, pages, cu, h = _mixer_step(monkeypatch, torch.bfloat16)
@@ -350,9 +357,11 @@ def test_vllm_mixer_bf16_step_equals_the_reference(monkeypatch, tp_group):
         for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
             conv0, gla0 = _reference_states(pages, SLOTS[i], fresh=seq_lens[i] == b - a)
             y, conv1, gla1 = LaplaceMixer.forward(mixer, h[None, a:b], conv0, gla0)
-            _close(out[a:b].float(), y[0].float(), rtol=5e-2)
+            got, want = out[a:b].float(), y[0].float()
+            assert ((got - want).abs() <= bf16_spacing(want)).all(), i  # one rounding apart
+            assert (got != want).float().mean().item() <= 1e-3, i  # and rarely even that
             assert torch.equal(mixer.kv_cache[0][SLOTS[i]], conv1[0, 1:])  # bf16 inputs, kept
-            _close(mixer.kv_cache[1][SLOTS[i]], gla1[0].transpose(-1, -2), rtol=2e-2)
+            _close(mixer.kv_cache[1][SLOTS[i]], gla1[0].transpose(-1, -2), rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
