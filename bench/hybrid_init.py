@@ -2,6 +2,7 @@
 the MQAR lookup, which change lets it, and what that change does to pure Laplace.
 
     python -m bench.hybrid_init [--seeds N] [--steps N] [--variants a,b] [--work-dir DIR]
+                                [--result NAME]
 
 bench/retrieval.py's MQAR model (2 layers, d_model 128, 4 heads, trained on MQAR (64, 4) for
 1,000 steps, scored at (64, 4), (128, 8), (256, 16)) in each variant below, `--seeds` seeds
@@ -18,10 +19,17 @@ either command reuses the other's.
     hybrid_zero_out     embed_scale=one, W_out and W_3 initialised to zero (the residual branches
                         start at nothing; Muon then moves them)
     hybrid_attn_first   embed_scale=one, layer 0 attention and layer 1 GLA
+    hybrid_scaled_gla_x0.1
+                        the default (sqrt(D)) with the GLA layer's mixer branch times 0.1
+    hybrid4             4 layers, attention_every=4 (three GLA layers, then attention: the 3:1
+                        layout), as it is (sqrt(D)), at its best rate 0.03 (bench.retrieval's)
+    hybrid4_gla_x0.1    hybrid4 at 0.01 with every GLA layer's mixer branch times 0.1
+    hybrid4_attn_first  hybrid4 at 0.01 with attention first in its block (layer 0)
+    attention4          4 attention layers at 0.01: does depth alone stop the lookup?
     laplace             pure Laplace as it is (embed_scale=auto: 1)
     laplace_sqrt_d      pure Laplace with embed_scale=sqrt_d_model
 
-hybrid_gla_x0.1, hybrid_zero_out and hybrid_attn_first are not configuration options: this
+The `*_gla_x0.1`, `*_zero_out` and `*_attn_first` variants are not configuration options: this
 script applies them while the run trains and is scored (a Flax method interceptor on the GLA
 layer's `out` projection; the config's `residual_init_scale` and `layer_mixers` replaced).
 
@@ -31,7 +39,8 @@ LayerNorm_1 does, at a key's position among the pairs and where the same key com
 query. The lookup has to match those two; 1.0 when the attention layer reads the embedding
 itself (attention first) or nothing has been added to it (zero-initialised branches).
 
-Writes bench/results/hybrid_init.json: per variant, each seed's accuracies and final loss.
+Writes bench/results/hybrid_init.json (`--result NAME`: NAME.json; the 3:1 study of s13.5 is
+hybrid4_init.json): per variant, each seed's accuracies and final loss.
 """
 
 from __future__ import annotations
@@ -64,6 +73,11 @@ VARIANTS = {
     "hybrid_gla_x0.1": ("hybrid", 1e-2, "one", "gla_x0.1"),
     "hybrid_zero_out": ("hybrid", 1e-2, "one", "zero_out"),
     "hybrid_attn_first": ("hybrid", 1e-2, "one", "attn_first"),
+    "hybrid_scaled_gla_x0.1": ("hybrid", 1e-2, None, "gla_x0.1"),
+    "hybrid4": ("hybrid4", 3e-2, None, None),
+    "hybrid4_gla_x0.1": ("hybrid4", 1e-2, None, "gla_x0.1"),
+    "hybrid4_attn_first": ("hybrid4", 1e-2, None, "attn_first"),
+    "attention4": ("attention4", 1e-2, None, None),
     "laplace": ("gla", 3e-2, None, None),
     "laplace_sqrt_d": ("gla", 3e-2, "sqrt_d_model", None),
 }
@@ -168,6 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--work-dir", default="runs/bench-retrieval", help="bench.retrieval's")
+    ap.add_argument("--result", default="hybrid_init", help="bench/results/<RESULT>.json")
     args = ap.parse_args(argv)
     variants = chosen(ap, args.variants, VARIANTS, "variant")
     flags = ["--task", "mqar", "--seq-lens", "64,128,256", "--pairs", "4,8,16"]
@@ -194,7 +209,7 @@ def main(argv=None) -> int:
     for variant in variants:
         runs = [r for r in rows if r["variant"] == variant]
         row = {"variant": variant, "final_loss": [round(r["final_loss"], 4) for r in runs]}
-        if VARIANTS[variant][0] == "hybrid":
+        if VARIANTS[variant][0].startswith("hybrid"):
             row["identity_cosine"] = round(identity_cosine(variant), 3)
         for T, P in MQAR_SETTINGS:
             accs = [cell_accuracy(r, seq_len=T, num_pairs=P) for r in runs]
@@ -217,7 +232,7 @@ def main(argv=None) -> int:
     }
     print(
         write_result(
-            "hybrid_init",
+            args.result,
             headline,
             steps=args.steps,
             seeds=args.seeds,

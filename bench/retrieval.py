@@ -74,6 +74,7 @@ MIXER_SETTINGS = {
     "attention": ["token_mixer=attention"],
     "hybrid": ["token_mixer=gla", "attention_every=2"],
     "hybrid4": ["token_mixer=gla", "n_layers=4", "attention_every=4"],
+    "attention4": ["token_mixer=attention", "n_layers=4"],  # bench.hybrid_init's control
 }
 # The tiny preset's 1e-2 and 3e-2 above it: in a sweep that also had 3e-3 (retrieval.json of
 # 2026-12, AMD EPYC), 3e-3 was no mixer's best (Laplace 32.9% at (64, 4) against 64.6% at 1e-2,
