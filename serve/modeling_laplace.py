@@ -60,6 +60,7 @@ from serve.kernels import (
 )
 
 f32 = torch.float32
+QUERY_BLOCK = 256  # a hybrid's attention scores this many queries at a time (`attend`)
 
 
 # ---- the recurrent state -----------------------------------------------------------------------
@@ -272,17 +273,24 @@ class LaplaceAttentionMixer(LaplaceMixer):
         as the JAX layer. Computed as a flash-attention kernel rounds (the bf16 contract,
         docs/design.md s12.4): scores in fp32, their exponentials rounded to the activations'
         dtype for the product with the values (accumulated in fp32), divided by the fp32 sum of
-        the unrounded ones, the output rounded once. In fp32 this is plain softmax attention."""
+        the unrounded ones, the output rounded once. In fp32 this is plain softmax attention.
+        Queries go QUERY_BLOCK at a time, so the scores held are [B, H, QUERY_BLOCK, t]."""
         T, t = q.shape[1], keys.shape[1]
-        position = torch.arange(t, device=q.device)
-        causal = position[None, :] <= (t - T + torch.arange(T, device=q.device))[:, None]
-        mask = causal[None, None] & valid[:, None, None, :]  # [B, 1, T, t]
         heads = lambda x: x.transpose(1, 2).to(f32)  # noqa: E731  [B, ., H, d] -> [B, H, ., d]
-        scores = heads(q) @ heads(keys).transpose(-1, -2) * self.scale  # [B, H, T, t]
-        scores = scores.masked_fill(~mask, float("-inf"))
-        e = torch.exp(scores - scores.amax(-1, keepdim=True))  # [B, H, T, t], max 1 per row
-        o = (e.to(q.dtype).to(f32) @ heads(values)) / e.sum(-1, keepdim=True)  # [B, H, T, dv]
-        return o.transpose(1, 2).to(q.dtype).to(f32)  # [B, T, H, dv]
+        k_t, v = heads(keys).transpose(-1, -2), heads(values)  # [B, H, dk, t], [B, H, t, dv]
+        key_position = torch.arange(t, device=q.device)
+        blocks = []
+        for i in range(0, T, QUERY_BLOCK):
+            q_b = heads(q[:, i : i + QUERY_BLOCK])  # [B, H, b, dk]
+            position = t - T + i + torch.arange(q_b.shape[2], device=q.device)  # [b]
+            causal = key_position[None, :] <= position[:, None]  # [b, t]
+            mask = causal[None, None] & valid[:, None, None, :]  # [B, 1, b, t]
+            scores = (q_b @ k_t * self.scale).masked_fill(~mask, float("-inf"))  # [B, H, b, t]
+            top = scores.amax(-1, keepdim=True).nan_to_num(neginf=0.0)  # a row with no key: 0
+            e = torch.exp(scores - top)  # [B, H, b, t], max 1 per row
+            total = e.sum(-1, keepdim=True).clamp_min(torch.finfo(f32).tiny)  # no key: o = 0
+            blocks.append((e.to(q.dtype).to(f32) @ v) / total)  # [B, H, b, dv]
+        return torch.cat(blocks, 2).transpose(1, 2).to(q.dtype).to(f32)  # [B, T, H, dv]
 
 
 class LaplaceMLP(nn.Module):
