@@ -25,40 +25,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.common import write_result
+from bench.common import leading_equal, run_or_exit, write_result
 
 PROMPTS = ("def main(", "import os", "class Config:")  # the default corpus is Python source
-
-
-def _run(command: list[str]) -> None:
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        print(done.stdout[-3000:], done.stderr[-3000:], sep="\n", file=sys.stderr)
-        raise SystemExit(f"error: {' '.join(command[2:4])} exited {done.returncode}")
 
 
 def train_and_export(tmp: Path, steps: int) -> Path:
     """`small` trained `steps` steps on the default corpus, exported in bf16 -> the folder."""
     run_dir, py, folder = tmp / "run", sys.executable, tmp / "bf16"
-    _run(
+    run_or_exit(
         [py, "-m", "train.main", "--steps", str(steps), "--run-dir", str(run_dir), "--no-progress"]
     )
     ckpt = run_dir / "checkpoints"
-    _run([py, "-m", "export.main", "--checkpoint", str(ckpt), "--dtype", "bf16", "--out", folder])
+    run_or_exit(
+        [py, "-m", "export.main", "--checkpoint", str(ckpt), "--dtype", "bf16", "--out", folder]
+    )
     return folder
-
-
-def leading_equal(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def compare(folder: Path, n_new: int) -> list[dict]:
@@ -77,27 +64,30 @@ def compare(folder: Path, n_new: int) -> list[dict]:
     sp = SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     # the same tokens again as one prompt: vLLM's prefill path, its log-probabilities of them
-    whole = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
+    sequences = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
     sp_prompt = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-    prefilled = llm.generate([{"prompt_token_ids": w} for w in whole], sp_prompt, use_tqdm=False)
+    inputs = [{"prompt_token_ids": seq} for seq in sequences]
+    prefilled = llm.generate(inputs, sp_prompt, use_tqdm=False)
     del llm
     module = LaplaceForCausalLM.from_exported(folder, dtype=torch.bfloat16)
+    rows = torch.arange(n_new)
     reports = []
-    for text, p, o, pre in zip(PROMPTS, prompts, outs, prefilled, strict=True):
-        served = list(o.outputs[0].token_ids)
+    for text, p, seq, o, pre in zip(PROMPTS, prompts, sequences, outs, prefilled, strict=True):
+        served = seq[len(p) :]
         steps = zip(o.outputs[0].logprobs, served, strict=True)
         got = torch.tensor([d[t].logprob for d, t in steps])  # vLLM's, of its own tokens
-        rows = torch.arange(n_new)
-        want = stepwise_logprobs(module, p, served)[rows, served]  # as vLLM computes them
+        stepwise = stepwise_logprobs(module, p, served)  # [n_new, vocab], as vLLM computes
+        want = stepwise[rows, served]
         with torch.no_grad():  # the module's whole-sequence form, on the same tokens
-            logits = module(torch.tensor([p + served])).logits[0, len(p) - 1 : -1]
+            logits = module(torch.tensor([seq])).logits[0, len(p) - 1 : -1]
         whole = torch.log_softmax(logits.float(), -1)[rows, served]
-        seq = p + served
         prefill = torch.tensor(
             [pre.prompt_logprobs[i][seq[i]].logprob for i in range(len(p), len(seq))]
         )
         reference = greedy_generate(module, [p], n_new)[0]  # the module's own greedy tokens
-        top2 = stepwise_logprobs(module, p, reference).topk(2, -1).values  # [n_new, 2]
+        if reference != served:  # the margins along the module's own tokens
+            stepwise = stepwise_logprobs(module, p, reference)
+        top2 = stepwise.topk(2, -1).values  # [n_new, 2]
         margins = (top2[:, 0] - top2[:, 1]).tolist()
         equal = leading_equal(served, reference)
         reports.append(

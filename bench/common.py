@@ -1,4 +1,5 @@
-"""What every benchmark shares: the machine description and the result file (docs/design.md s7)."""
+"""What every benchmark shares: the machine description and the result file (docs/design.md s7),
+and what the parity benchmarks share: running a module, counting equal leading tokens."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import importlib.metadata
 import json
 import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -69,3 +72,20 @@ def write_result(name: str, headline: dict, *, path: Path | None = None, **data)
     payload = {"headline": headline, "machine": machine_info(), **data}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def run_or_exit(command: list[str]) -> None:
+    """Run `command` (`python -m MODULE ...`), its output captured; if it fails, print the end of
+    its output and exit naming the module."""
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(done.stdout[-3000:], done.stderr[-3000:], sep="\n", file=sys.stderr)
+        raise SystemExit(f"error: {' '.join(command[2:4])} exited {done.returncode}")
+
+
+def leading_equal(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share (greedy parity: the steps before they part)."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

@@ -18,21 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.common import write_result
-
-
-def _run(command: list[str]) -> None:
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        print(done.stdout[-3000:], done.stderr[-3000:], sep="\n", file=sys.stderr)
-        raise SystemExit(f"error: {' '.join(command[2:4])} exited {done.returncode}")
-
+from bench.common import leading_equal, run_or_exit, write_result
 
 PROMPTS = (  # the default corpus is Python's standard library source
     "def read_config(path):\n    with open(path) as f:\n",
@@ -57,12 +48,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir, py = Path(tmp) / "run", sys.executable
         train = [py, "-m", "train.main", "--config", "tiny", "attention_every=2"]
-        _run(train + ["--steps", str(args.steps), "--run-dir", str(run_dir), "--no-progress"])
+        run_or_exit(
+            train + ["--steps", str(args.steps), "--run-dir", str(run_dir), "--no-progress"]
+        )
         ckpt, folders = run_dir / "checkpoints", {}
         for dtype in ("fp32", "bf16"):
             folders[dtype] = Path(tmp) / dtype
             export = [py, "-m", "export.main", "--checkpoint", str(ckpt), "--dtype", dtype]
-            _run(export + ["--out", str(folders[dtype])])
+            run_or_exit(export + ["--out", str(folders[dtype])])
         prompts = _prompts(folders["fp32"])
         tokens = greedy_everywhere(ckpt, folders, prompts, args.new_tokens)
         losses = [
@@ -73,7 +66,7 @@ def main(argv=None) -> int:
     fp32 = ["jax", "pytorch", "vllm_eager", "vllm_compiled"]
     equal = [all(tokens[k][i] == tokens["jax"][i] for k in fp32) for i in range(len(prompts))]
     pairs = zip(tokens["vllm_bf16"], tokens["pytorch_bf16"], strict=True)
-    agree = [_leading_equal(a, b) for a, b in pairs]
+    agree = [leading_equal(a, b) for a, b in pairs]
     headline = {
         "hybrid_greedy_equal_fp32": sum(equal) / len(equal),
         "hybrid_bf16_steps_equal_min": min(agree),
@@ -93,13 +86,6 @@ def main(argv=None) -> int:
     print(json.dumps(headline, indent=2))
     print(f"wrote {path}")
     return 0
-
-
-def _leading_equal(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def greedy_everywhere(ckpt: Path, folders: dict, prompts, n: int) -> dict[str, list]:
