@@ -240,6 +240,9 @@ class DecoderLayer(nn.Module):
         o = HeadRMSNorm(cfg.n_tiers, cfg.heads_per_tier, cfg.norm_eps, name="head_norm")(o)
         y = o.reshape(B, T, H * dv).astype(dtype) * nn.silu(g)
         y = Dense(D, ("attn", "embed"), (H * dv) ** -0.5 * out_scale, dtype, name="out")(y)
+        m = cfg.mixer_branch_multiplier(self.mixer or cfg.token_mixer)  # 0.1 for a hybrid's GLA
+        if m != 1.0:  # layers (`gla_branch_scale`, s13.5): in fp32, rounded once
+            y = y.astype(f32) * m
         x = x + y.astype(x.dtype)
 
         # 8. channel mixer: x += W_3 (SiLU(W_1 h2) * (W_2 h2)), W_1 and W_2 fused as W_12

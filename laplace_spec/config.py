@@ -23,6 +23,8 @@ TOKEN_MIXERS = ("gla", "attention")
 # What the token embedding's output is multiplied by (docs/design.md s2.2, s13.5): sqrt(D)
 # ("sqrt_d_model", as Gemma does) or 1 ("one"); "auto" is sqrt(D) for a hybrid, 1 otherwise.
 EMBED_SCALES = ("auto", "sqrt_d_model", "one")
+# `gla_branch_scale="auto"` in a hybrid: every GLA layer's mixer branch times 0.1 (s13.5's study)
+HYBRID_GLA_BRANCH_SCALE = 0.1
 FP32_BYTES = 4
 BF16_BYTES = 2
 # The serving limit an export declares by default (config.json's max_position_embeddings): the
@@ -69,6 +71,13 @@ class LaplaceConfig:
     # sqrt(D) for a hybrid (attention_every > 0) and 1 for pure Laplace and the attention
     # baseline, where the study found no gain from it (so the 3B recipe stays as published).
     embed_scale: str = "auto"
+    # A fixed multiplier on every GLA layer's mixer branch, x += m W_out(...) (not an initial
+    # scale: it holds through training): "auto" is 0.1 in a hybrid, so the GLA layers' outputs
+    # stay small beside the token identity the attention layers match on (docs/design.md s13.5:
+    # without it the 3:1 hybrid's attention layer never learns a lookup), and 1 for pure Laplace
+    # (the 3B recipe as published); or a positive number, e.g. "1" for a hybrid as before it.
+    # The attention layers' branches are never scaled.
+    gla_branch_scale: str = "auto"
 
     def __post_init__(self):
         validate(self)
@@ -92,6 +101,15 @@ class LaplaceConfig:
         if scale == "auto":
             scale = "sqrt_d_model" if self.attention_every else "one"
         return math.sqrt(self.d_model) if scale == "sqrt_d_model" else 1.0
+
+    def mixer_branch_multiplier(self, mixer: str) -> float:
+        """A layer's mixer branch is multiplied by this: `gla_branch_scale` for a GLA layer
+        (0.1 in a hybrid when "auto", else 1), 1 for an attention layer."""
+        if mixer == "attention":
+            return 1.0
+        if self.gla_branch_scale == "auto":
+            return HYBRID_GLA_BRANCH_SCALE if self.attention_every else 1.0
+        return float(self.gla_branch_scale)
 
     @property
     def residual_init_scale(self) -> float:
@@ -293,6 +311,10 @@ def validate(cfg: LaplaceConfig) -> None:
         raise ConfigError(f"compute_dtype must be one of {DTYPES}, got {cfg.compute_dtype!r}")
     if cfg.embed_scale not in EMBED_SCALES:
         raise ConfigError(f"embed_scale must be one of {EMBED_SCALES}, got {cfg.embed_scale!r}")
+    if cfg.gla_branch_scale != "auto" and not _positive_number(cfg.gla_branch_scale):
+        raise ConfigError(
+            f"gla_branch_scale must be 'auto' or a positive number, got {cfg.gla_branch_scale!r}"
+        )
     if cfg.token_mixer not in TOKEN_MIXERS:
         raise ConfigError(f"token_mixer must be one of {TOKEN_MIXERS}, got {cfg.token_mixer!r}")
     k = cfg.attention_every
@@ -313,13 +335,26 @@ def validate(cfg: LaplaceConfig) -> None:
             )
 
 
+def _positive_number(text: str) -> bool:
+    try:
+        value = float(text)
+    except ValueError:
+        return False
+    return math.isfinite(value) and value > 0
+
+
 def saved_before(saved: dict[str, Any]) -> dict[str, Any]:
     """The fields added since configs were first saved, each with the value that rebuilds the
     model a saved config lacking it was trained as: today's default where that is the same
     model, so such a checkpoint resumes under today's defaults whenever it can
     (`LaplaceConfig.from_saved`, train/checkpoint.py's resume check). `embed_scale`: a hybrid
-    saved before it had an unscaled embedding ("one"); for any other model "auto" is 1 too."""
-    return {"embed_scale": "one" if saved.get("attention_every") else "auto"}
+    saved before it had an unscaled embedding ("one"); `gla_branch_scale`: a hybrid saved before
+    it had its GLA branches unscaled ("1"); for any other model "auto" is 1 for both."""
+    hybrid = bool(saved.get("attention_every"))
+    return {
+        "embed_scale": "one" if hybrid else "auto",
+        "gla_branch_scale": "1" if hybrid else "auto",
+    }
 
 
 _FIELD_TYPES = {
@@ -329,9 +364,13 @@ _FIELD_TYPES = {
 
 
 def _coerce(name: str, value: Any) -> Any:
-    """JSON gives 2048.0 or 2048 for floats alike; accept ints for float fields only."""
-    if _FIELD_TYPES[name] is float and isinstance(value, int) and not isinstance(value, bool):
+    """JSON gives 2048.0 or 2048 for floats alike; accept ints for float fields only, and a
+    number for `gla_branch_scale` (a string field: "auto" or a number)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if _FIELD_TYPES[name] is float and isinstance(value, int) and number:
         return float(value)
+    if name == "gla_branch_scale" and number:
+        return str(value)
     return value
 
 

@@ -169,6 +169,8 @@ class LaplaceLinear(nn.Linear):
 class LaplaceMixer(nn.Module):
     """Conv, fused projection, GLA, self-augmentation, head RMSNorm, gate, output projection."""
 
+    kind = "gla"  # step 4 (`config.layer_mixers`); decides the branch multiplier
+
     def __init__(self, config: LaplaceConfig, linear=None):
         """`linear(name, in_features, out_features)` builds the two projections (default
         `LaplaceLinear`; the vLLM model passes vLLM's layers, so no torch Linear is built)."""
@@ -185,6 +187,8 @@ class LaplaceMixer(nn.Module):
         self.aug_balance = nn.Parameter(torch.zeros(c.n_heads, c.d_k))
         self.head_norm_weight = nn.Parameter(torch.ones(c.n_tiers, c.d_v))
         self.out_proj = linear("out_proj", c.n_heads * c.d_v, c.d_model)
+        # 0.1 for a hybrid's GLA layer, else 1 (`gla_branch_scale`, docs/design.md s13.5)
+        self.branch_multiplier = c.mixer_branch_multiplier(self.kind)
         self.log_decay = c.log_decay()  # H fp64 numbers: the decays are fixed, not parameters
         self._log_decay_f32: torch.Tensor | None = None
 
@@ -249,13 +253,18 @@ class LaplaceMixer(nn.Module):
         o = o * self.head_norm_weight.to(f32)[:, None, :]  # [..., tiers, H / tiers, dv]
         # the gate in fp32, rounded to the activations' dtype once (the bf16 contract, s12.4)
         y = (o.view(*lead, H * dv) * F.silu(g.to(f32))).to(g.dtype)
-        return self.out_proj(y)
+        y = self.out_proj(y)
+        if self.branch_multiplier != 1.0:  # in fp32, rounded once, as JAX does
+            y = (y.float() * self.branch_multiplier).to(y.dtype)
+        return y
 
 
 class LaplaceAttentionMixer(LaplaceMixer):
     """A hybrid's attention layer: LaplaceMixer with step 4 causal softmax attention over the
     same q, k, v (no positional encoding; laplace_jax/attention.py), its state the keys and
     values of the tokens seen."""
+
+    kind = "attention"
 
     def forward(self, h, window, kv, valid):
         """h [B, T, D]; window [B, W, D]; kv: keys [B, t, H, dk] and values [B, t, H, dv] of

@@ -333,6 +333,8 @@ class LaplaceVLLMAttentionMixer(LaplaceVLLMMixer):
     spec and one KV-cache group) and uses their conv window only; its GLA page is never read.
     """
 
+    kind = "attention"
+
     def __init__(self, config: LaplaceConfig, prefix: str):
         super().__init__(config, prefix)
         self.head_size = config.kv_page_head_size

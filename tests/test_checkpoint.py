@@ -128,16 +128,21 @@ def test_config_mismatch_is_refused_naming_fields(tmp_path, states):
     assert "d_model" not in str(e.value)
     assert "nothing was changed" in str(e.value)
     check_compatible({"model": CFG.to_dict()}, {"model": CFG.to_dict()}, "x")  # no error
-    # a checkpoint saved before `embed_scale` existed: pure Laplace is today's default model and
-    # resumes under it; a hybrid's embedding was unscaled, it resumes as embed_scale=one, and a
-    # run that asks for today's default is refused naming the field
-    saved = {k: v for k, v in CFG.to_dict().items() if k != "embed_scale"}
+    # a checkpoint saved before `embed_scale` and `gla_branch_scale` existed: pure Laplace is
+    # today's default model and resumes under it; a hybrid's embedding and GLA branches were
+    # unscaled, it resumes as embed_scale=one gla_branch_scale=1, and a run that asks for
+    # today's defaults is refused naming the fields
+    added = ("embed_scale", "gla_branch_scale")
+    saved = {k: v for k, v in CFG.to_dict().items() if k not in added}
     check_compatible({"model": saved}, {"model": CFG.to_dict()}, "x")
     hybrid = CFG.replace(attention_every=2)
-    saved = {k: v for k, v in hybrid.to_dict().items() if k != "embed_scale"}
-    check_compatible({"model": saved}, {"model": hybrid.replace(embed_scale="one").to_dict()}, "x")
-    with pytest.raises(ConfigMismatch, match="model.embed_scale: checkpoint 'one', requested"):
+    saved = {k: v for k, v in hybrid.to_dict().items() if k not in added}
+    old = hybrid.replace(embed_scale="one", gla_branch_scale="1")
+    check_compatible({"model": saved}, {"model": old.to_dict()}, "x")
+    with pytest.raises(ConfigMismatch) as e:
         check_compatible({"model": saved}, {"model": hybrid.to_dict()}, "x")
+    assert "model.embed_scale: checkpoint 'one', requested 'auto'" in str(e.value)
+    assert "model.gla_branch_scale: checkpoint '1', requested 'auto'" in str(e.value)
     ckpt.close()
     assert _snapshot(tmp_path) == before
 

@@ -103,6 +103,30 @@ def test_embed_scale_default_and_a_config_saved_before_it():
     assert LaplaceConfig.from_dict({**saved, "attention_every": 2}).embed_multiplier == 8.0
 
 
+def test_gla_branch_scale_default_and_a_config_saved_before_it():
+    """ "auto" multiplies a hybrid's GLA branches by 0.1 and no attention layer's, and leaves
+    pure Laplace's at 1 (docs/design.md s13.5); a number is taken as given (from JSON too); a
+    saved hybrid config without the field predates it and is the unscaled model, whatever its
+    embed_scale; bad values are refused naming the field."""
+    for cfg in PRESETS.values():
+        assert cfg.gla_branch_scale == "auto" and cfg.mixer_branch_multiplier("gla") == 1.0
+        hybrid = cfg.replace(attention_every=2)
+        assert hybrid.mixer_branch_multiplier("gla") == 0.1
+        assert hybrid.mixer_branch_multiplier("attention") == 1.0
+        assert hybrid.replace(gla_branch_scale="1").mixer_branch_multiplier("gla") == 1.0
+        assert cfg.replace(gla_branch_scale="0.25").mixer_branch_multiplier("gla") == 0.25
+    tiny = PRESETS["tiny"]
+    from_json = LaplaceConfig.from_dict({**tiny.to_dict(), "gla_branch_scale": 0.5})
+    assert from_json.gla_branch_scale == "0.5"
+    for bad in ("0", "-1", "nan", "inf", "tenth"):
+        with pytest.raises(ConfigError, match="gla_branch_scale must be 'auto' or a positive"):
+            tiny.replace(gla_branch_scale=bad)
+    saved = {k: v for k, v in tiny.to_dict().items() if k != "gla_branch_scale"}
+    old = LaplaceConfig.from_saved({**saved, "attention_every": 2})  # embed_scale "auto" kept
+    assert old.gla_branch_scale == "1" and old.embed_multiplier == tiny.d_model**0.5
+    assert LaplaceConfig.from_saved(saved) == tiny  # pure Laplace: today's model
+
+
 def test_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         PRESETS["tiny"].n_layers = 5

@@ -194,11 +194,12 @@ def test_loading_a_folder_with_a_missing_or_misshaped_tensor_fails(cfg, params, 
     assert "tensor model.norm.weight has shape [65]" in str(e.value)
 
 
-def test_a_hybrid_saved_before_embed_scale_exports_and_loads_as_it_was(cfg, tmp_path):
-    """A hybrid checkpoint whose config predates `embed_scale` (no such field) holds the model
-    with the embedding unscaled (docs/design.md s13.5): it exports as embed_scale "one", the
-    PyTorch model then equals JAX's of that form, and so does an export written before the field
-    (config.json without it), which vLLM's config reads the same way."""
+def test_a_hybrid_saved_before_its_scales_exports_and_loads_as_it_was(cfg, tmp_path):
+    """A hybrid checkpoint whose config predates `embed_scale` and `gla_branch_scale` (no such
+    fields) holds the model with the embedding and the GLA branches unscaled (docs/design.md
+    s13.5): it exports as embed_scale "one" and gla_branch_scale "1", the PyTorch model then
+    equals JAX's of that form, and so does an export written before the fields (config.json
+    without them), which vLLM's config reads the same way."""
     import types
 
     import jax.numpy as jnp
@@ -207,26 +208,28 @@ def test_a_hybrid_saved_before_embed_scale_exports_and_loads_as_it_was(cfg, tmp_
     from serve.configuration_laplace import LaplaceHFConfig
     from serve.modeling_laplace import LaplaceForCausalLM
 
-    new = cfg.replace(attention_every=2)  # "auto": sqrt(D) for a hybrid
-    old = new.replace(embed_scale="one")
+    new = cfg.replace(attention_every=2)  # "auto": sqrt(D) and 0.1 for a hybrid
+    old = new.replace(embed_scale="one", gla_branch_scale="1")
+    added = ("embed_scale", "gla_branch_scale")
     params = random_params(old, seed=1)
-    saved = {k: v for k, v in old.to_dict().items() if k != "embed_scale"}
+    saved = {k: v for k, v in old.to_dict().items() if k not in added}
     meta = types.SimpleNamespace(to_dict=lambda: saved, vocab_size=old.vocab_size)
     run = make_run(tmp_path / "run", meta, params)
     out = tmp_path / "exported"
     assert export_main(["--checkpoint", str(run / "checkpoints"), "--out", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
-    assert config["embed_scale"] == "one"
+    assert config["embed_scale"] == "one" and config["gla_branch_scale"] == "1"
 
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 20))
     want = np.asarray(LaplaceLM(old).apply({"params": params}, jnp.asarray(tokens))[0])
     scaled = np.asarray(LaplaceLM(new).apply({"params": params}, jnp.asarray(tokens))[0])
     assert np.abs(scaled - want).max() > 1e-2  # the two forms are different models
-    for label in ("exported now", "exported before the field"):
-        if label == "exported before the field":
-            del config["embed_scale"]
+    for label in ("exported now", "exported before the fields"):
+        if label == "exported before the fields":
+            for name in added:
+                del config[name]
             (out / "config.json").write_text(json.dumps(config))
-            assert LaplaceHFConfig(**config).laplace_config.embed_multiplier == 1.0  # vLLM's
+            assert LaplaceHFConfig(**config).laplace_config == old  # vLLM's reads the same
         with torch.no_grad():
             got = LaplaceForCausalLM.from_exported(out)(torch.from_numpy(tokens)).logits.numpy()
         assert np.abs(got - want).max() <= 1e-4, label

@@ -128,9 +128,10 @@ def batch():
 
 
 def test_the_hybrid_is_its_gla_and_attention_layers_in_order(batch):
-    """The hybrid's logits equal its embedding times sqrt(D), then pure Laplace's layer and the
-    attention baseline's layer applied by hand in the order gla, attention, gla, attention; and
-    differ from pure Laplace's."""
+    """The hybrid's logits equal its embedding times sqrt(D), then pure Laplace's layer (its
+    output projection's weights times 0.1: the GLA branch's multiplier, s13.5) and the attention
+    baseline's layer applied by hand in the order gla, attention, gla, attention; and differ
+    from pure Laplace's."""
     tokens, _, params = batch
     tokens = tokens[:2, :-1]
     reset = reset_after_eot(tokens, EOT)
@@ -140,8 +141,10 @@ def test_the_hybrid_is_its_gla_and_attention_layers_in_order(batch):
     x = params["embed"]["embedding"][tokens] * TINY4.d_model**0.5  # a hybrid's sqrt(D) (s13.5)
     state = init_state(TINY4, 2)
     for i, kind in enumerate(["gla", "attention", "gla", "attention"]):
-        layer = DecoderLayer(kinds[kind])
-        x, _ = layer.apply({"params": params[f"layer_{i}"]}, x, state[f"layer_{i}"], reset=reset)
+        layer, p = DecoderLayer(kinds[kind]), params[f"layer_{i}"]
+        if kind == "gla":  # x += 0.1 W_out(y) is x += (0.1 W_out)(y)
+            p = {**p, "out": {"kernel": 0.1 * p["out"]["kernel"]}}
+        x, _ = layer.apply({"params": p}, x, state[f"layer_{i}"], reset=reset)
     by_hand = LaplaceLM(HYBRID).apply({"params": params}, x, method=LaplaceLM.logits)
     np.testing.assert_allclose(logits, by_hand, rtol=1e-6, atol=1e-6)
     pure, _ = LaplaceLM(TINY4).apply({"params": params}, tokens, reset=reset)
