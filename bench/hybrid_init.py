@@ -12,26 +12,32 @@ bench.retrieval's `run_one` (the project's trainer and evaluator, in-process) in
 `--work-dir`, so the runs of today's defaults (`hybrid`, `laplace`) are bench.retrieval's own and
 either command reuses the other's.
 
-    hybrid              the default since this study: embed_scale=auto, sqrt(D) for a hybrid
-    hybrid_as_built     embed_scale=one: the hybrid before this study
+    hybrid              the embedding scaled by sqrt(D) (embed_scale=auto), the GLA branch not
+                        (gla_branch_scale=1): the first study's choice
+    hybrid_as_built     embed_scale=one gla_branch_scale=1: the hybrid before either
     hybrid_gla_x0.1     embed_scale=one, the GLA layer's mixer branch (its W_out output) times a
-                        fixed 0.1, in training and scoring (a multiplier, not an initial scale)
-    hybrid_zero_out     embed_scale=one, W_out and W_3 initialised to zero (the residual branches
+                        fixed 0.1 (gla_branch_scale=0.1: a multiplier, not an initial scale)
+    hybrid_zero_out     as built, W_out and W_3 initialised to zero (the residual branches
                         start at nothing; Muon then moves them)
-    hybrid_attn_first   embed_scale=one, layer 0 attention and layer 1 GLA
+    hybrid_attn_first   as built, layer 0 attention and layer 1 GLA
     hybrid_scaled_gla_x0.1
-                        the default (sqrt(D)) with the GLA layer's mixer branch times 0.1
+                        sqrt(D) and the GLA branch times 0.1: today's default (both "auto")
     hybrid4             4 layers, attention_every=4 (three GLA layers, then attention: the 3:1
-                        layout), as it is (sqrt(D)), at its best rate 0.03 (bench.retrieval's)
-    hybrid4_gla_x0.1    hybrid4 at 0.01 with every GLA layer's mixer branch times 0.1
-    hybrid4_attn_first  hybrid4 at 0.01 with attention first in its block (layer 0)
+                        layout) with sqrt(D) alone (gla_branch_scale=1), at 0.03 (its best rate
+                        in bench.retrieval's sweep then)
+    hybrid4_gla_x0.1    hybrid4 at 0.01 with every GLA layer's mixer branch times 0.1: today's
+                        default
+    hybrid4_gla_x0.2    hybrid4 at 0.01 with every GLA layer's mixer branch times 0.2
+    hybrid4_gla_x0.3    the same times 0.3
+    hybrid4_attn_first  hybrid4 (gla_branch_scale=1) at 0.01, attention first in its block
     attention4          4 attention layers at 0.01: does depth alone stop the lookup?
     laplace             pure Laplace as it is (embed_scale=auto: 1)
     laplace_sqrt_d      pure Laplace with embed_scale=sqrt_d_model
 
-The `*_gla_x0.1`, `*_zero_out` and `*_attn_first` variants are not configuration options: this
-script applies them while the run trains and is scored (a Flax method interceptor on the GLA
-layer's `out` projection; the config's `residual_init_scale` and `layer_mixers` replaced).
+The `*_zero_out` and `*_attn_first` variants are not configuration options: this script applies
+them while the run trains and is scored (the config's `residual_init_scale` and `layer_mixers`
+replaced). The others are configuration overrides (`embed_scale`, `gla_branch_scale`); a variant
+of today's defaults and no patch is bench.retrieval's own run at that learning rate.
 
 At initialisation (seed 0, no training), each hybrid variant's `identity_cosine`: over MQAR
 (64, 4) sequences, the cosine between the attention layer's input, normalised as its
@@ -52,7 +58,6 @@ import time
 from pathlib import Path
 from unittest import mock
 
-import flax.linen as nn
 import jax
 
 from bench.common import chosen, write_result
@@ -66,32 +71,25 @@ from bench.retrieval import (
 )
 from laplace_spec.config import LaplaceConfig
 
-# variant -> (mixer, learning rate, embed_scale override or None for the default, patch)
+UNSCALED_GLA = ["gla_branch_scale=1"]
+AS_BUILT = ["embed_scale=one", *UNSCALED_GLA]
+# variant -> (mixer, learning rate, config overrides (none: today's defaults), patch)
 VARIANTS = {
-    "hybrid": ("hybrid", 1e-2, None, None),
-    "hybrid_as_built": ("hybrid", 1e-2, "one", None),
-    "hybrid_gla_x0.1": ("hybrid", 1e-2, "one", "gla_x0.1"),
-    "hybrid_zero_out": ("hybrid", 1e-2, "one", "zero_out"),
-    "hybrid_attn_first": ("hybrid", 1e-2, "one", "attn_first"),
-    "hybrid_scaled_gla_x0.1": ("hybrid", 1e-2, None, "gla_x0.1"),
-    "hybrid4": ("hybrid4", 3e-2, None, None),
-    "hybrid4_gla_x0.1": ("hybrid4", 1e-2, None, "gla_x0.1"),
-    "hybrid4_attn_first": ("hybrid4", 1e-2, None, "attn_first"),
-    "attention4": ("attention4", 1e-2, None, None),
-    "laplace": ("gla", 3e-2, None, None),
-    "laplace_sqrt_d": ("gla", 3e-2, "sqrt_d_model", None),
+    "hybrid": ("hybrid", 1e-2, UNSCALED_GLA, None),
+    "hybrid_as_built": ("hybrid", 1e-2, AS_BUILT, None),
+    "hybrid_gla_x0.1": ("hybrid", 1e-2, ["embed_scale=one", "gla_branch_scale=0.1"], None),
+    "hybrid_zero_out": ("hybrid", 1e-2, AS_BUILT, "zero_out"),
+    "hybrid_attn_first": ("hybrid", 1e-2, AS_BUILT, "attn_first"),
+    "hybrid_scaled_gla_x0.1": ("hybrid", 1e-2, [], None),
+    "hybrid4": ("hybrid4", 3e-2, UNSCALED_GLA, None),
+    "hybrid4_gla_x0.1": ("hybrid4", 1e-2, [], None),
+    "hybrid4_gla_x0.2": ("hybrid4", 1e-2, ["gla_branch_scale=0.2"], None),
+    "hybrid4_gla_x0.3": ("hybrid4", 1e-2, ["gla_branch_scale=0.3"], None),
+    "hybrid4_attn_first": ("hybrid4", 1e-2, UNSCALED_GLA, "attn_first"),
+    "attention4": ("attention4", 1e-2, [], None),
+    "laplace": ("gla", 3e-2, [], None),
+    "laplace_sqrt_d": ("gla", 3e-2, ["embed_scale=sqrt_d_model"], None),
 }
-
-
-def _scale_gla_branch(next_fun, args, kwargs, context):
-    """x 0.1 on the output of a GLA layer's `out` projection (its mixer branch)."""
-    y = next_fun(*args, **kwargs)
-    module = context.module
-    if context.method_name == "__call__" and module.name == "out":
-        layer = module.parent
-        if (layer.mixer or layer.config.token_mixer) == "gla":
-            return 0.1 * y
-    return y
 
 
 def _attention_first(self) -> tuple[str, ...]:
@@ -106,9 +104,7 @@ def applied(patch: str | None):
     jax.clear_caches()
     with contextlib.ExitStack() as stack:
         stack.callback(jax.clear_caches)
-        if patch == "gla_x0.1":
-            stack.enter_context(nn.intercept_methods(_scale_gla_branch))
-        elif patch == "zero_out":
+        if patch == "zero_out":
             zero = property(lambda self: 0.0)
             stack.enter_context(mock.patch.object(LaplaceConfig, "residual_init_scale", zero))
         elif patch == "attn_first":
@@ -124,11 +120,10 @@ def identity_cosine(variant: str, seed: int = 0, n: int = 64) -> float:
     from laplace_spec.config import get_config
     from train.tasks import mqar
 
-    mixer, lr, embed, patch = VARIANTS[variant]
+    mixer, lr, changes, patch = VARIANTS[variant]
     spec = mqar_spec(mixer, seed, lr)
     overrides = model_overrides(spec["d_model"], spec["heads"], spec["t_max"])
-    overrides += [*MIXER_SETTINGS[mixer], "seq_len=64"]
-    overrides += [] if embed is None else [f"embed_scale={embed}"]
+    overrides += [*MIXER_SETTINGS[mixer], "seq_len=64", *changes]
     tokens, _ = mqar(n, 64, 4, 256, seed=(seed, 64, 4))
     tokens = tokens[:, :-1]
     with applied(patch):
@@ -188,13 +183,11 @@ def main(argv=None) -> int:
     flags = ["--task", "mqar", "--seq-lens", "64,128,256", "--pairs", "4,8,16"]
     rows, t0 = [], time.perf_counter()
     for variant in variants:
-        mixer, lr, embed, patch = VARIANTS[variant]
+        mixer, lr, changes, patch = VARIANTS[variant]
         for seed in range(args.seeds):
             spec = mqar_spec(mixer, seed, lr)
-            overrides = []
-            if embed is not None or patch is not None:  # not bench.retrieval's own run
+            if changes or patch is not None:  # not bench.retrieval's own run
                 spec |= {"variant": variant}
-                overrides = [] if embed is None else [f"embed_scale={embed}"]
             with applied(patch):
                 r = run_one(
                     Path(args.work_dir),
@@ -202,7 +195,7 @@ def main(argv=None) -> int:
                     args.steps,
                     flags,
                     lambda *a: print(*a, flush=True),
-                    overrides=overrides,
+                    overrides=changes,
                 )
             rows.append({**r, "variant": variant})
     table = []
@@ -237,8 +230,8 @@ def main(argv=None) -> int:
             steps=args.steps,
             seeds=args.seeds,
             variants={
-                v: {"mixer": m, "lr": lr, "embed_scale": e, "patch": p}
-                for v, (m, lr, e, p) in VARIANTS.items()
+                v: {"mixer": m, "lr": lr, "overrides": o, "patch": p}
+                for v, (m, lr, o, p) in VARIANTS.items()
                 if v in variants
             },
             elapsed_s=round(time.perf_counter() - t0, 1),

@@ -8,8 +8,10 @@ model and seed (`seed=N`: parameter initialisation and data order), differing on
 
     laplace          every layer GLA (the default)
     hybrid           attention_every=4: the last of the four layers softmax attention, its
-                     embedding scaled by sqrt(D) (embed_scale=auto, docs/design.md s13.5)
-    hybrid_unscaled  the same hybrid with embed_scale=one: the hybrid before that change
+                     embedding scaled by sqrt(D) and its GLA layers' mixer branches by 0.1
+                     (embed_scale=auto, gla_branch_scale=auto: docs/design.md s13.5)
+    hybrid_sqrt_d    the same hybrid with gla_branch_scale=1: the embedding scaled only
+    hybrid_unscaled  embed_scale=one gla_branch_scale=1: the hybrid before either
     attention        token_mixer=attention: every layer softmax attention (the baseline)
     laplace_sqrt_d   pure Laplace with embed_scale=sqrt_d_model (not its default)
 
@@ -35,7 +37,8 @@ from bench.common import RESULTS, chosen, write_result
 RUNS = {
     "laplace": [],
     "hybrid": ["attention_every=4"],
-    "hybrid_unscaled": ["attention_every=4", "embed_scale=one"],
+    "hybrid_sqrt_d": ["attention_every=4", "gla_branch_scale=1"],
+    "hybrid_unscaled": ["attention_every=4", "embed_scale=one", "gla_branch_scale=1"],
     "attention": ["token_mixer=attention"],
     "laplace_sqrt_d": ["embed_scale=sqrt_d_model"],
 }

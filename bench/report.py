@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import RESULTS
+from bench.quality import RUNS as QUALITY_RUNS
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCK = re.compile(r"(<!-- report:([a-z0-9-]+) -->\n)(.*?)(<!-- /report -->)", re.S)
@@ -380,12 +381,11 @@ def plan_hybrid() -> str:
 
 
 def quality() -> str:
-    """bench.quality: the default run of pure Laplace, the hybrid (with and without its scaled
-    embedding) and attention, each seed it has."""
+    """bench.quality: the default run of pure Laplace, the hybrid (today's, and the forms before
+    its scales) and attention, each seed it has."""
     d = load("quality")
     h = d["headline"]
-    order = ("laplace", "laplace_sqrt_d", "hybrid", "hybrid_unscaled", "attention")
-    models = [m for m in order if f"val_loss_{m}" in h]
+    models = [m for m in QUALITY_RUNS if f"val_loss_{m}" in h]  # bench.quality's order
     rows = []
     for name in models:
         runs = {k: r for k, r in d["runs"].items() if k.split("/")[0] == name}
@@ -748,6 +748,14 @@ def retrieval_mqar() -> str:
             "learnt the lookup; the hybrid as it is now: `bench.hybrid_init`, in the Hybrid "
             "section below. Not yet rerun."
         )
+    elif "gla_branch_scale" not in d:  # measured before gla_branch_scale existed
+        note = (
+            "\n\nThe hybrids' rows here were measured before a hybrid's GLA branches were "
+            "multiplied by 0.1 (`gla_branch_scale`, docs/design.md s13.5): they are "
+            "`gla_branch_scale=1`. The hybrids as they are now: `bench.hybrid_init`'s "
+            "`hybrid_scaled_gla_x0.1` and `hybrid4_gla_x0.1`, in the Hybrid section below. "
+            "Not yet rerun."
+        )
     return table(head, rows) + note
 
 
@@ -821,9 +829,10 @@ def retrieval_passkey() -> str:
     )
 
 
-def hybrid_init() -> str:
-    """bench.hybrid_init: the hybrid's initialisation study (docs/design.md s13.5)."""
-    d = load("hybrid_init")
+def hybrid_init(name: str = "hybrid_init") -> str:
+    """bench.hybrid_init: the hybrid's initialisation study (docs/design.md s13.5); `name`
+    "hybrid4_init": its 3:1 study."""
+    d = load(name)
     settings = [k for k in d["table"][0] if k[0].isdigit()]
     rows = []
     for r in d["table"]:
@@ -843,11 +852,18 @@ def hybrid_init() -> str:
     head = ["variant", "lr", *(f"({k.replace('_', ', ')})" for k in settings)]
     head += ["final loss per seed", "identity cosine at init"]
     return (
-        f"`python -m bench.hybrid_init` (`bench/results/hybrid_init.json`, "
+        f"`python -m bench.hybrid_init{'' if name == 'hybrid_init' else ' ' + HYBRID4_INIT}` "
+        f"(`bench/results/{name}.json`, "
         f"{minutes(d['elapsed_s'])} on this project's {d['machine']['cores']}-core CPU machine): "
         f"MQAR accuracy, mean of {d['seeds']} seeds (each seed in brackets), trained on (64, 4) "
         f"for {d['steps']:,} steps:\n\n" + table(head, rows)
     )
+
+
+HYBRID4_INIT = (  # the 3:1 study's command (docs/design.md s13.5)
+    "--variants hybrid4_attn_first,hybrid4_gla_x0.1,attention4,hybrid_scaled_gla_x0.1 "
+    "--result hybrid4_init"
+)
 
 
 def test_suite() -> str:
@@ -882,6 +898,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "hybrid-parity": hybrid_parity,
     "bf16-parity": bf16_parity,
     "hybrid-init": hybrid_init,
+    "hybrid4-init": lambda: hybrid_init("hybrid4_init"),
     "prefix": prefix,
     "retrieval-mqar": retrieval_mqar,
     "retrieval-sweep": retrieval_sweep,
