@@ -29,6 +29,8 @@ else:  # set by the caller (or by the run that started this one): theirs to keep
 
 import shared_fixtures  # noqa: E402
 from shared_fixtures import (  # noqa: E402, F401
+    hybrid_recall_run,
+    mqar_task_runs,
     replica_server,
     tiny_export,
     tiny_hybrid_export,

@@ -6,10 +6,11 @@ vLLM engine or server start) and one configuration serves every test that needs 
 needs an engine of another configuration builds its own and says why in one line.
 
 Jobs started early (`start_early`, called once the tests are collected): the subprocesses a run
-will need, the 2-replica server and `bench.device --dry-run`, start before the first test, so
-that their start-up (tens of seconds each) runs beside the tests that come before them, on the
-core those leave idle (a JAX compile uses one). Idle, the started server costs about 1% of a
-core. Only the jobs of the collected tests start.
+will need, the 2-replica server, `bench.device --dry-run` and the MQAR training runs
+(tests/mqar_runs.py, one after another), start before the first test, so that their work (tens
+of seconds to minutes each) runs beside the tests that come before them, on the core those leave
+idle (a JAX compile uses one). Idle, the started server costs about 1% of a core. Only the jobs
+of the collected tests start.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mqar_runs
 import pytest
 from laplace_export_helpers import (
     export_tiny,
@@ -52,11 +54,20 @@ def start_early(items, tmp_path_factory) -> None:
         EARLY["replica_server"] = _start_replica_server(EARLY["tiny_export"][2])
     if "device_dry_run" in used:
         EARLY["device_dry_run"] = start_device_dry_run(tmp_path_factory.mktemp("device"))
+    jobs = {}
+    for name, runs in mqar_runs.RUNS.items():
+        if name in used:
+            EARLY[name] = root = tmp_path_factory.mktemp(name)
+            jobs[name] = runs(root)
+    if jobs:
+        EARLY["mqar_queue"] = mqar_runs.Queue(jobs, START_ENV)
 
 
 def stop_early() -> None:
     """Stop what was started early and never used (a run stopped before its tests)."""
     for job in EARLY.values():
+        if isinstance(job, mqar_runs.Queue):
+            job.stop()
         proc = getattr(job, "proc", None)
         if proc is not None and proc.poll() is None:
             proc.kill()
@@ -99,6 +110,34 @@ def tiny_hybrid_export(tmp_path_factory):
     """(cfg, params, folder): the tiny hybrid (attention_every=2: a GLA layer, then an attention
     layer) with random weights, exported like `tiny_export`."""
     return export_tiny(tmp_path_factory.mktemp("tiny_hybrid"), seed=4, attention_every=2)
+
+
+def _trained(name: str, tmp_path_factory) -> Path:
+    """The root directory of `name`'s MQAR runs (mqar_runs.RUNS), once they have finished: the
+    early queue's, or run now when nothing queued them."""
+    queue = EARLY.get("mqar_queue")
+    if queue is not None and name in queue.jobs:
+        root, (status, err) = EARLY[name], queue.finished(name)
+    else:
+        root, status, err = tmp_path_factory.mktemp(name), 0, ""
+        for args in mqar_runs.RUNS[name](root):
+            status, err = mqar_runs.train(args, START_ENV)
+            if status:
+                break
+    assert status == 0, err
+    return root
+
+
+@pytest.fixture(scope="session")
+def mqar_task_runs(tmp_path_factory) -> Path:
+    """tests/test_tasks.py's MQAR runs, trained (mqar_runs.task_runs)."""
+    return _trained("mqar_task_runs", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def hybrid_recall_run(tmp_path_factory) -> Path:
+    """tests/test_hybrid_recall.py's 3:1 hybrid, trained on MQAR (mqar_runs.recall_runs)."""
+    return _trained("hybrid_recall_run", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

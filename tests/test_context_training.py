@@ -190,8 +190,8 @@ def test_train_main_with_context_4_logs_the_one_device_losses_and_restores_elsew
 ):
     """`train.main --mesh fsdp=2,context=4` logs the losses of the same run on one device
     (1e-5: the reduction order differs) and ends with its greedy sample, the one a run on one
-    device prints from the same checkpoint; its step-2 checkpoint restored onto `fsdp=8` (no
-    context axis) continues the same loss curve."""
+    device prints from the same checkpoint; its step-2 checkpoint restored onto one device (no
+    context axis: the `one` run's program, compiled already) continues the same loss curve."""
     steps = ["--steps", "4", "--ckpt-every", "2", "keep_checkpoints=2", "eval_every=0"]
     capsys.readouterr()
     cp = _train(tmp_path / "cp", "--mesh", "fsdp=2,context=4", *steps)
@@ -202,7 +202,7 @@ def test_train_main_with_context_4_logs_the_one_device_losses_and_restores_elsew
     moved = tmp_path / "moved"
     shutil.copytree(tmp_path / "cp", moved)
     shutil.rmtree(moved / "checkpoints" / "4")  # resume from step 2, on another mesh
-    elsewhere = _train(moved, "--mesh", "fsdp=8", *steps)
+    elsewhere = _train(moved, "--mesh", "fsdp=1", *steps)
     assert sorted(cp) == sorted(one) == sorted(elsewhere) == [1, 2, 3, 4]
     np.testing.assert_allclose([cp[s] for s in cp], [one[s] for s in cp], rtol=1e-5)
     np.testing.assert_allclose([elsewhere[s] for s in (3, 4)], [cp[3], cp[4]], rtol=1e-5)
@@ -217,12 +217,12 @@ def test_init_from_goes_on_at_a_longer_length_with_context_and_refuses_another_m
     a fresh optimizer; a run of another model is refused, naming the field, changing nothing."""
     short = _train(tmp_path / "short", "--mesh", "fsdp=8", "--steps", "30", "eval_every=0")
     longer = ["seq_len=128", "--mesh", "fsdp=4,context=2", "--steps", "2", "eval_every=0"]
-    fresh = _train(tmp_path / "fresh", *longer)
     capsys.readouterr()
     extended = _train(tmp_path / "long", "--init-from", str(tmp_path / "short"), *longer)
     out = capsys.readouterr().out
     assert f"initialised from the parameters of {tmp_path / 'short' / 'checkpoints' / '30'}" in out
-    assert extended[1] < fresh[1] - 1.0 and abs(extended[1] - short[30]) < 0.5, (extended, short)
+    # a fresh model's first loss is short[1] (the same initialisation, ~ln V at any length)
+    assert extended[1] < short[1] - 1.0 and abs(extended[1] - short[30]) < 0.5, (extended, short)
     from train import main as train_main
 
     args = ["--config", "tiny", "--run-dir", str(tmp_path / "other"), "--no-progress"]

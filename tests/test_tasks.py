@@ -3,8 +3,6 @@ masked FSDP loss against the plain model's masked mean; `train.main --task` lear
 resuming on the same batches."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -12,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from shared_fixtures import REPO, START_ENV
 
 from laplace_jax.fsdp import make_loss_and_grad
 from laplace_jax.model import LaplaceLM, init_params
@@ -295,51 +292,12 @@ def _metrics(run_dir):
     return [json.loads(x) for x in lines if x]
 
 
-def _train(args) -> int:
-    """`python -m train.main ARGS` on one CPU device at XLA's default optimisation: this run is
-    200 steps long, and the tests' compile flags (tests/xla_env.py) make it twice as slow."""
-    env = {**START_ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "train.main", *args], cwd=REPO, env=env, capture_output=True
-    )
-    assert done.returncode == 0, done.stderr.decode()[-3000:]
-    return done.returncode
-
-
-def _task_args(run_dir, steps, *extra):
-    """MQAR (64, 4) over a 32-token task vocabulary (15 keys, 16 values: chance is 1/16) on the
-    tiny preset widened to d_model 128, 200 steps of 32 sequences (measured: 95% accuracy; 91%
-    and 99% with seeds 1 and 2; 120 steps are too few: 24%)."""
-    return [
-        "--config",
-        "tiny",
-        "--task",
-        "mqar:num_pairs=4,vocab_size=32",
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
-        "--steps",
-        str(steps),
-        "global_batch_tokens=2048",
-        "--mesh",
-        "fsdp=1",
-        "eval_every=0",
-        "d_model=128",
-        "d_v=32",
-        "d_k=16",
-        "ffn_dim=256",
-        "total_steps=200",
-        "warmup_steps=20",
-        *extra,
-    ]
-
-
-def test_tiny_model_learns_mqar_and_resumes_on_the_same_batches(tmp_path):
-    """MQAR (seq 64, 4 pairs): the answer loss falls from ~ln(vocab) and train.eval's accuracy on
-    fresh sequences is far above chance (1/16); a run stopped at a checkpoint and resumed logs
-    the same losses as one run straight through."""
-    run = tmp_path / "run"
-    assert _train(_task_args(run, 200, "ckpt_every=200")) == 0
+def test_tiny_model_learns_mqar_and_resumes_on_the_same_batches(mqar_task_runs):
+    """MQAR (seq 64, 4 pairs; tests/mqar_runs.py's `task_runs`, trained early in the session):
+    the answer loss falls from ~ln(vocab) and train.eval's accuracy on fresh sequences is far
+    above chance (1/16); a run stopped at a checkpoint and resumed logs the same losses as one
+    run straight through."""
+    run = mqar_task_runs / "run"
     m = _metrics(run)
     losses = [r["loss"] for r in m]
     assert abs(losses[0] - np.log(TINY.vocab_size)) < 0.5
@@ -353,10 +311,7 @@ def test_tiny_model_learns_mqar_and_resumes_on_the_same_batches(tmp_path):
     assert (cell["seq_len"], cell["num_pairs"]) == (64, 4)
     assert cell["accuracy"] > 8 / 16, cell  # 8x chance; measured: 95.1%
 
-    part = tmp_path / "part"
-    assert _train(_task_args(part, 4, "ckpt_every=4")) == 0
-    assert _train(_task_args(part, 6, "ckpt_every=4")) == 0
-    got = {r["step"]: r["loss"] for r in _metrics(part)}
+    got = {r["step"]: r["loss"] for r in _metrics(mqar_task_runs / "part")}  # 4, then to 6
     assert {4, 5, 6} <= set(got)
     straight = {r["step"]: r["loss"] for r in m}
     for step in (5, 6):  # the resumed steps, on the batches of the run straight through
