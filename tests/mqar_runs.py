@@ -95,13 +95,6 @@ def launch(args: list[str], env: dict) -> subprocess.Popen:
     )
 
 
-def train(args: list[str], env: dict) -> tuple[int, str]:
-    """Run `launch(args, env)` to its end: (exit status, the end of its stderr)."""
-    proc = launch(args, env)
-    _, err = proc.communicate()
-    return proc.returncode, err.decode()[-3000:]
-
-
 class Queue:
     """Named lists of trainer runs, run one after another in a background thread."""
 

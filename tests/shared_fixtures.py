@@ -117,13 +117,11 @@ def _trained(name: str, tmp_path_factory) -> Path:
     early queue's, or run now when nothing queued them."""
     queue = EARLY.get("mqar_queue")
     if queue is not None and name in queue.jobs:
-        root, (status, err) = EARLY[name], queue.finished(name)
+        root = EARLY[name]
     else:
-        root, status, err = tmp_path_factory.mktemp(name), 0, ""
-        for args in mqar_runs.RUNS[name](root):
-            status, err = mqar_runs.train(args, START_ENV)
-            if status:
-                break
+        root = tmp_path_factory.mktemp(name)
+        queue = mqar_runs.Queue({name: mqar_runs.RUNS[name](root)}, START_ENV)
+    status, err = queue.finished(name)
     assert status == 0, err
     return root
 
