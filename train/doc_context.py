@@ -123,5 +123,5 @@ def short_documents_warning(shares: dict) -> str | None:
         f"{shares['seq_len']:,}-token sequences (median context "
         f"{shares['median_context']:,.0f} tokens), so the context axis trains no dependency "
         "longer than a document; use long documents (train.prepare --min-doc-tokens N) or "
-        "doc_reset=off (README, Long context)"
+        "doc_reset=off (docs/long-context.md)"
     )

@@ -1,0 +1,3 @@
+from bench.report.pages import main
+
+raise SystemExit(main())

@@ -1,0 +1,25 @@
+"""docs/training.md: the default run (bench.default_run)."""
+
+from __future__ import annotations
+
+from bench.report.fmt import load, minutes
+
+PAGE = "docs/training.md"
+
+
+def default_run() -> str:
+    d = load("default_run")
+    h, val = d["headline"], d["validation"]
+    losses = " -> ".join(f"{v['val_loss']:.2f}" for v in val)
+    steps = ", ".join(str(v["step"]) for v in val)
+    return (
+        f"`python -m bench.default_run` ran it in a fresh run directory with a fresh corpus cache "
+        f"on this project's {d['machine']['cores']}-core CPU machine: "
+        f"{minutes(h['wall_s'])} including the corpus build; training loss "
+        f"{h['first_loss']:.2f} (step {d['first_step']}) to {h['last_loss']:.2f} "
+        f"(step {h['steps']}), validation loss {losses} at steps {steps} "
+        "(`bench/results/default_run.json`)."
+    )
+
+
+BLOCKS = {"default-run": default_run}
