@@ -6,11 +6,11 @@ vLLM engine or server start) and one configuration serves every test that needs 
 needs an engine of another configuration builds its own and says why in one line.
 
 Jobs started early (`start_early`, called once the tests are collected): the subprocesses a run
-will need, the 2-replica server, `bench.device --dry-run` and the MQAR training runs
-(tests/mqar_runs.py, one after another), start before the first test, so that their work (tens
-of seconds to minutes each) runs beside the tests that come before them, on the core those leave
-idle (a JAX compile uses one). Idle, the started server costs about 1% of a core. Only the jobs
-of the collected tests start.
+will need, the 2-replica server, `bench.device --dry-run`, the README's tour (tests/tour.py) and
+the MQAR training runs (tests/mqar_runs.py, one after another), start before the first test, so
+that their work (tens of seconds to minutes each) runs beside the tests that come before them, on
+the core those leave idle (a JAX compile uses one). Idle, the started server costs about 1% of
+a core. Only the jobs of the collected tests start.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import mqar_runs
 import pytest
+import tour
 from laplace_export_helpers import (
     export_tiny,
     free_port,
@@ -54,6 +55,8 @@ def start_early(items, tmp_path_factory) -> None:
         EARLY["replica_server"] = _start_replica_server(EARLY["tiny_export"][2])
     if "device_dry_run" in used:
         EARLY["device_dry_run"] = start_device_dry_run(tmp_path_factory.mktemp("device"))
+    if "readme_tour" in used:
+        EARLY["readme_tour"] = start_tour(tmp_path_factory)
     jobs = {}
     for name, runs in mqar_runs.RUNS.items():
         if name in used:
@@ -68,7 +71,7 @@ def stop_early() -> None:
     for job in EARLY.values():
         if isinstance(job, mqar_runs.Queue):
             job.stop()
-        proc = getattr(job, "proc", None)
+        proc = getattr(job, "proc", None)  # a Job's, or a TourJob's
         if proc is not None and proc.poll() is None:
             proc.kill()
     EARLY.clear()
@@ -89,6 +92,17 @@ def start_device_dry_run(root: Path) -> Job:
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     return Job(proc, out, log_path)
+
+
+def start_tour(tmp_path_factory) -> tour.TourJob:
+    """The README's tour on tiny settings (tests/tour.py), as a fresh shell runs it."""
+    return tour.start(tmp_path_factory.mktemp("tour"), free_port(), {**START_ENV, **VLLM_ENV})
+
+
+@pytest.fixture(scope="session")
+def readme_tour(tmp_path_factory) -> tour.TourJob:
+    """The README's tour (tests/tour.py), started early when the run collects its test."""
+    return EARLY.pop("readme_tour", None) or start_tour(tmp_path_factory)
 
 
 def set_vllm_env() -> None:
