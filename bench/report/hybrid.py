@@ -74,8 +74,9 @@ def plan_hybrid() -> str:
         f"The hybrid, `attention_every={every}` (one softmax-attention layer in {every}), each row "
         "compiled by `python -m bench.plan` as\n\n" + commands + "\n\n" + table(head, rows) + "\n\n"
         "Each row is compared with pure Laplace's plan of the same length, mesh and micro-batches "
-        "(the recipe at 2,048 tokens, the long rows of [Long context](long-context.md)); the "
-        "modelled cost counts attention's FLOPs over the whole square of each sequence."
+        "(the recipe at 2,048 tokens, the long rows of "
+        "[Long context](long-context.md#the-3b-plans-to-1m-tokens)); the modelled cost counts "
+        "attention's FLOPs over the whole square of each sequence."
     )
 
 

@@ -32,6 +32,7 @@ def headlines() -> str:
     muon, retrieval, suite = load("muon"), load("retrieval"), load("test_suite")
     r, ph, rh = serve["ratios"], plan["headline"], retrieval["headline"]
     recall = " / ".join(pct(rh[f"mqar_acc_{m}_128_8"]) for m in ("laplace", "hybrid4", "attention"))
+    hybrid4 = "3:1 hybrid" if "gla_branch_scale" in retrieval else "3:1 hybrid (before its scale)"
     rows = [
         [
             "vLLM decode, 8,192-token agent histories, 8 sequences, compiled: Laplace over a "
@@ -61,7 +62,7 @@ def headlines() -> str:
             "[Benchmarks: Muon](docs/benchmarks.md#muon)",
         ],
         [
-            "MQAR recall at (128, 8), tiny models: Laplace / 3:1 hybrid / attention "
+            f"MQAR recall at (128, 8), tiny models: Laplace / {hybrid4} / attention "
             f"(mean of {retrieval['seeds']} seeds)",
             f"**{recall}**",
             "[Retrieval](docs/retrieval.md)",

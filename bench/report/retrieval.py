@@ -8,6 +8,10 @@ from bench.report.fmt import load, minutes, pct, table
 
 PAGE = "docs/retrieval.md"
 
+S135 = (  # the design section that says why the hybrid's scales exist
+    "[design s13.5](design.md#135-the-embeddings-scale-and-the-gla-branches-multiplier-what-lets-"
+    "the-attention-layer-learn-the-lookup)"
+)
 MIXER_ORDER = ["laplace", "attention", "hybrid", "hybrid4"]
 
 
@@ -34,14 +38,14 @@ def retrieval_mqar() -> str:
     if "embed_scale" not in d:  # measured before embed_scale existed
         note = (
             "\n\nThe hybrid's rows here were measured before a hybrid's embedding was scaled by "
-            "sqrt(D) (`embed_scale`, docs/design.md s13.5), when its attention layer never "
+            "sqrt(D) (`embed_scale`, " + S135 + "), when its attention layer never "
             "learnt the lookup; the hybrid as it is now: `bench.hybrid_init`, on the "
             "[Hybrid](hybrid.md) page. Not yet rerun."
         )
     elif "gla_branch_scale" not in d:  # measured before gla_branch_scale existed
         note = (
             "\n\nThe hybrids' rows here were measured before a hybrid's GLA branches were "
-            "multiplied by 0.1 (`gla_branch_scale`, docs/design.md s13.5): they are "
+            "multiplied by 0.1 (`gla_branch_scale`, " + S135 + "): they are "
             "`gla_branch_scale=1`. The hybrids as they are now: `bench.hybrid_init`'s "
             "`hybrid_scaled_gla_x0.1` and `hybrid4_gla_x0.1`, on the [Hybrid](hybrid.md) "
             "page. Not yet rerun."

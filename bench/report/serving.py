@@ -18,7 +18,8 @@ def bf16_parity() -> str:
         f"log-probabilities of its tokens are at most {sci(h['bf16_logprob_gap_max'], 2)} from "
         f"the module's, teacher-forced as vLLM runs, and "
         f"{sci(h['bf16_prefill_logprob_gap_max'], 2)} through the prefill path alone "
-        "(docs/design.md s12.4: the bf16 contract, and why decode steps differ by about a bf16 "
+        "([design s12.4](design.md#124-the-bf16-contract-what-is-rounded-where): the bf16 "
+        "contract, and why decode steps differ by about a bf16 "
         "spacing of the logits)."
     )
 
