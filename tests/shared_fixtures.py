@@ -69,9 +69,10 @@ def start_early(items, tmp_path_factory) -> None:
 def stop_early() -> None:
     """Stop what was started early and never used (a run stopped before its tests)."""
     for job in EARLY.values():
-        if isinstance(job, mqar_runs.Queue):
+        if isinstance(job, (mqar_runs.Queue, tour.TourJob)):
             job.stop()
-        proc = getattr(job, "proc", None)  # a Job's, or a TourJob's
+            continue
+        proc = getattr(job, "proc", None)
         if proc is not None and proc.poll() is None:
             proc.kill()
     EARLY.clear()

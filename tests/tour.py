@@ -11,7 +11,9 @@ start and evaluation take a minute or two, beside the tests before test_tour.py)
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -49,13 +51,22 @@ class TourJob:
     stderr: Path
 
     def finished(self, timeout: float = 600) -> tuple[int, str, str]:
-        """(exit status, stdout, stderr) once the tour has run."""
+        """(exit status, stdout, stderr) once the tour has run (killed after `timeout` s)."""
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            pass
+        self.stop()
         return self.proc.returncode, self.stdout.read_text(), self.stderr.read_text()
+
+    def stop(self) -> None:
+        """Kill what the tour left running (its server, should it have stopped early), then
+        the shell, if it still runs: the whole process group."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
 
 def start(root: Path, port: int, env: dict) -> TourJob:
@@ -65,5 +76,7 @@ def start(root: Path, port: int, env: dict) -> TourJob:
     env = {k: v for k, v in env.items() if k != "VIRTUAL_ENV"}
     out, err = root / "tour.stdout", root / "tour.stderr"
     with open(out, "w") as o, open(err, "w") as e:
-        proc = subprocess.Popen(["bash", "-c", script], cwd=root, env=env, stdout=o, stderr=e)
+        proc = subprocess.Popen(
+            ["bash", "-c", script], cwd=root, env=env, stdout=o, stderr=e, start_new_session=True
+        )
     return TourJob(proc, root, out, err)
