@@ -31,6 +31,7 @@ import shared_fixtures  # noqa: E402
 from shared_fixtures import (  # noqa: E402, F401
     hybrid_recall_run,
     mqar_task_runs,
+    prefix_flag_server,
     readme_tour,
     replica_server,
     tiny_export,

@@ -6,11 +6,12 @@ vLLM engine or server start) and one configuration serves every test that needs 
 needs an engine of another configuration builds its own and says why in one line.
 
 Jobs started early (`start_early`, called once the tests are collected): the subprocesses a run
-will need, the 2-replica server, `bench.device --dry-run`, the README's tour (tests/tour.py) and
-the MQAR training runs (tests/mqar_runs.py, one after another), start before the first test, so
-that their work (tens of seconds to minutes each) runs beside the tests that come before them, on
-the core those leave idle (a JAX compile uses one). Idle, the started server costs about 1% of
-a core. Only the jobs of the collected tests start.
+will need, the 2-replica server, the prefix-caching server of tests/test_vllm_prefix.py,
+`bench.device --dry-run`, the README's tour (tests/tour.py) and the MQAR training runs
+(tests/mqar_runs.py, one after another), start before the first test, so that their work (tens
+of seconds to minutes each) runs beside the tests that come before them, on the core those leave
+idle (a JAX compile uses one). Idle, a started server costs about 1% of a core. Only the jobs of
+the collected tests start.
 """
 
 from __future__ import annotations
@@ -50,9 +51,12 @@ EARLY: dict = {}  # what start_early started, taken by the fixtures below
 def start_early(items, tmp_path_factory) -> None:
     """Start the early jobs the collected `items` use (see the module doc)."""
     used = {name for item in items for name in getattr(item, "fixturenames", ())}
-    if "replica_server" in used:
+    if "replica_server" in used or "prefix_flag_server" in used:
         EARLY["tiny_export"] = export_tiny(tmp_path_factory.mktemp("tiny_export"), seed=1)
+    if "replica_server" in used:
         EARLY["replica_server"] = _start_replica_server(EARLY["tiny_export"][2])
+    if "prefix_flag_server" in used:
+        EARLY["prefix_flag_server"] = _start_prefix_flag_server(EARLY["tiny_export"][2])
     if "device_dry_run" in used:
         EARLY["device_dry_run"] = start_device_dry_run(tmp_path_factory.mktemp("device"))
     if "readme_tour" in used:
@@ -212,6 +216,30 @@ def _start_replica_server(folder: Path) -> Job:
     ]
     log_path = folder.parent / "replica_server.log"
     return Job(start_server(cmd, log_path, env, REPO), None, log_path, port)
+
+
+def _start_prefix_flag_server(folder: Path) -> Job:
+    """`python -m serve.vllm_adapter ... --vllm-arg=--enable-prefix-caching`: vLLM's own flag
+    passed through, as a user wrote it (tests/test_vllm_prefix.py), max-model-len 1,024, 4
+    sequences."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "serve.vllm_adapter", "--model", str(folder), "--port", str(port)]
+    cmd += ["--max-model-len", "1024", "--max-num-seqs", "4", "--served-model-name", "tiny"]
+    cmd += ["--vllm-arg=--enable-prefix-caching"]
+    log_path = folder.parent / "server_prefix.log"
+    env = {**os.environ, **VLLM_ENV}
+    return Job(start_server(cmd, log_path, env, REPO), None, log_path, port)
+
+
+@pytest.fixture(scope="session")
+def prefix_flag_server(tiny_export):
+    """(base URL, log path) of `_start_prefix_flag_server`'s server, started early when the run
+    collects its test."""
+    job = EARLY.pop("prefix_flag_server", None) or _start_prefix_flag_server(tiny_export[2])
+    try:
+        yield wait_for_server(job.proc, job.port, job.log_path), job.log_path
+    finally:
+        stop_server(job.proc)
 
 
 @pytest.fixture(scope="session")

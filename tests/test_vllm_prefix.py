@@ -10,7 +10,6 @@ and the PyTorch model), one server started as a user would, with vLLM's own flag
 from __future__ import annotations
 
 import json
-import os
 import sys
 import urllib.error
 import urllib.request
@@ -18,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from laplace_export_helpers import adapter_server, free_port, greedy_ids, post_json
-from shared_fixtures import VLLM_ENV, set_vllm_env
+from laplace_export_helpers import greedy_ids, post_json
+from shared_fixtures import set_vllm_env
 
 REPO = Path(__file__).resolve().parents[1]
 REPLY = 40  # > the block size: replies cross block boundaries in decode (state page copies)
@@ -164,51 +163,35 @@ def test_engine_kwargs_and_server_argv(exported, monkeypatch):
 # ---- the server, started as the issue's user did ---------------------------------------------
 
 
-def test_server_with_vllm_prefix_caching_flag_serves_a_conversation(exported, torch_model):
+def test_server_with_vllm_prefix_caching_flag_serves_a_conversation(
+    exported, torch_model, prefix_flag_server
+):
     """`--vllm-arg=--enable-prefix-caching` used to kill the engine on the first request. Its own
-    server: the flag is the command line's, the behaviour under test."""
-    cfg, out = exported
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "serve.vllm_adapter",
-        "--model",
-        str(out),
-        "--port",
-        str(port),
-        "--max-model-len",
-        "1024",
-        "--max-num-seqs",
-        "4",
-        "--served-model-name",
-        "tiny",
-        "--vllm-arg=--enable-prefix-caching",
-    ]
-    log_path = out.parent / "server_prefix.log"
-    env = {**os.environ, **VLLM_ENV}
-    with adapter_server(cmd, port, log_path, env, REPO) as (base, _):
-        rng = np.random.default_rng(13)
-        prompt = rng.integers(0, cfg.vocab_size, 120).tolist()
-        for turn in range(3):
-            body = {
-                "model": "tiny",
-                "prompt": prompt,
-                "max_tokens": 16,
-                "temperature": 0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            }
-            status, text = post_json(base + "/v1/completions", body)
-            assert status == 200, (turn, text, log_path.read_text()[-3000:])
-            toks = json.loads(text)["choices"][0]["token_ids"]
-            assert toks == _reference(torch_model, prompt, 16), turn
-            prompt = prompt + toks + rng.integers(0, cfg.vocab_size, 30).tolist()
-        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
-            metrics = r.read().decode()
-        hits = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in metrics.splitlines()
-            if line.startswith("vllm:prefix_cache_hits_total")
-        )
-        assert hits > 0, [m for m in metrics.splitlines() if "prefix_cache" in m]
+    server (shared_fixtures.prefix_flag_server, started early): the flag is the command line's,
+    the behaviour under test."""
+    cfg, _ = exported
+    base, log_path = prefix_flag_server
+    rng = np.random.default_rng(13)
+    prompt = rng.integers(0, cfg.vocab_size, 120).tolist()
+    for turn in range(3):
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 16,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        status, text = post_json(base + "/v1/completions", body)
+        assert status == 200, (turn, text, log_path.read_text()[-3000:])
+        toks = json.loads(text)["choices"][0]["token_ids"]
+        assert toks == _reference(torch_model, prompt, 16), turn
+        prompt = prompt + toks + rng.integers(0, cfg.vocab_size, 30).tolist()
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    hits = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:prefix_cache_hits_total")
+    )
+    assert hits > 0, [m for m in metrics.splitlines() if "prefix_cache" in m]
