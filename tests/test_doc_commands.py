@@ -1,16 +1,17 @@
 """Every command the README and the manual show (each line of their ```bash blocks) names a
 module and flags that exist: each `python -m MODULE ARGS` has ARGS parsed by MODULE's own parser,
-run as `python -m` runs it (its `__main__`), stopped once they parse; `--help` prints its help;
-the commands of `RUN` run whole, in seconds. Other programs must be in `ELSEWHERE`, which says
-where each is run or why it is not (another project's tool, or hardware this machine lacks). The
-README's tour runs whole in tests/test_tour.py."""
+run as `python -m` runs it (its `__main__`), stopped once they parse, all in one process of
+their own (tests/doc_commands.py, whose `RUN` modules run whole, in seconds); `--help` prints
+its help. Other programs must be in `ELSEWHERE`, which says where each is run or why it is not
+(another project's tool, or hardware this machine lacks). The README's tour runs whole in
+tests/test_tour.py."""
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
+import json
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,7 +40,6 @@ OTHER_MODULES = {  # python -m of another project
     "pip": "pip's own: the CUDA install (docs/index.md), not run without a GPU",
     "pytest": "the test command itself: .ci/run runs it",
 }
-RUN = {"laplace_jax.info"}  # runs whole in seconds
 
 
 def commands(text: str) -> list[list[str]]:
@@ -93,43 +93,6 @@ def test_every_program_is_ours_or_accounted_for():
     assert not unknown, f"programs no test checks (add them to ELSEWHERE, saying where): {unknown}"
 
 
-class Parsed(Exception):
-    """Raised by the patched parser once a module's arguments have parsed."""
-
-
-def stop_after(name: str):
-    """`ArgumentParser.<name>`, raising `Parsed` once the arguments parse (a bad flag: argparse's
-    own error, SystemExit(2))."""
-    parse = getattr(argparse.ArgumentParser, name)
-
-    def parse_then_stop(self, args=None, namespace=None):
-        raise Parsed(parse(self, args, namespace))
-
-    return parse_then_stop
-
-
-MAIN_NAMESPACES: dict[str, dict] = {}  # a module run once: its namespace, main() run again
-
-
-def run_as_main(module: str) -> None:
-    """Execute `module`'s source (a package's `__main__`) as `python -m` does, under the name
-    `__main__`; read from its file, since pytest's import hook cannot hand runpy the code of a
-    module named like a test (bench/test_suite.py). A module run before runs its `main()` again
-    (with sys.argv), not its source, which may register names once per process (serve.lm_eval's
-    model with lm-eval)."""
-    if "main" in MAIN_NAMESPACES.get(module, {}):
-        MAIN_NAMESPACES[module]["main"]()
-        return
-    spec = importlib.util.find_spec(module)
-    if spec.submodule_search_locations is not None:  # a package: its __main__
-        spec = importlib.util.find_spec(f"{module}.__main__")
-    path = Path(spec.origin)
-    code = compile(path.read_text(), str(path), "exec")
-    namespace = {"__name__": "__main__", "__file__": str(path), "__package__": spec.parent}
-    MAIN_NAMESPACES[module] = namespace
-    exec(code, namespace)
-
-
 def python_modules() -> list[tuple[str, str, list[str]]]:
     out = []
     for page, cmd in ALL:
@@ -141,35 +104,37 @@ def python_modules() -> list[tuple[str, str, list[str]]]:
 MODULE_COMMANDS = python_modules()
 
 
+BAD = ("train.eval", ["--checkpoint", "runs/x", "--task", "ppl", "--no-such-flag"])
+
+
+@pytest.fixture(scope="module")
+def parsed() -> dict[tuple[str, str], str]:
+    """Every page command parsed in one process of its own (tests/doc_commands.py), and BAD:
+    {(module, args joined): "" or what went wrong}."""
+    commands = [(m, a) for _, m, a in MODULE_COMMANDS] + [BAD]
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "doc_commands.py")],
+        input=json.dumps(commands),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    return {(m, shlex.join(a)): r for (m, a), r in zip(commands, results, strict=True)}
+
+
 @pytest.mark.parametrize(
     ("page", "module", "args"),
     MODULE_COMMANDS,
     ids=[f"{p}:{m} {' '.join(a)}"[:90] for p, m, a in MODULE_COMMANDS],
 )
-def test_the_command_parses(page, module, args, monkeypatch, capsys):
+def test_the_command_parses(parsed, page, module, args):
     """`python -m MODULE ARGS` as the page shows it: parsed by the module's own parser."""
-    if module not in RUN:  # argparse's two entry points (train.main's parser intermixes)
-        for name in ("parse_args", "parse_intermixed_args"):
-            monkeypatch.setattr(argparse.ArgumentParser, name, stop_after(name))
-    monkeypatch.setattr(sys, "argv", [module, *args])
-    try:
-        run_as_main(module)
-    except Parsed:
-        assert module not in RUN
-    except SystemExit as e:
-        out = capsys.readouterr()
-        assert e.code in (0, None), f"{page}: python -m {module} {shlex.join(args)}:\n{out.err}"
-        assert module in RUN or "--help" in args, f"{module} exited before parsing its flags"
-    else:
-        assert module in RUN, f"{module} never parsed its flags with argparse"
-    if module == "train.neuron" and "--" in args:  # the launcher passes the rest to train.main
-        from train import cli
-
-        with pytest.raises(Parsed):
-            cli.parse_args(args[args.index("--") + 1 :])
+    problem = parsed[(module, shlex.join(args))]
+    assert problem == "", f"{page}: python -m {module} {shlex.join(args)}: {problem}"
 
 
-def test_a_flag_the_module_lacks_fails(monkeypatch, capsys):
-    with pytest.raises(AssertionError, match="unrecognized arguments: --no-such-flag"):
-        args = ["--checkpoint", "runs/x", "--task", "ppl", "--no-such-flag"]
-        test_the_command_parses("a page", "train.eval", args, monkeypatch, capsys)
+def test_a_flag_the_module_lacks_fails(parsed):
+    assert "unrecognized arguments: --no-such-flag" in parsed[(BAD[0], shlex.join(BAD[1]))]
