@@ -1,0 +1,87 @@
+"""`--state-dir`: the engine settings that turn the state store on, and the checks before it.
+
+vLLM engine                                  why
+--enable-prefix-caching, align mode, 32-token the states at block boundaries are what a
+blocks                                        later prompt starts from (docs/design.md s10)
+--prefix-cache-retention-interval 32          vLLM offers the state of every block boundary,
+                                              a reply's too (its default, 0, offers only the
+                                              prompt's last: a reply would never be stored)
+--kv-transfer-config: vLLM's OffloadingConnector with `spec.LaplaceStateSpec` (its host-
+memory tier, `PRIMARY_STATES` states) over `tier.StateFileTier` (`--state-dir`), prompt and
+reply alike (`offload_prompt_only` false); a failed load is recomputed
+--enable-prompt-tokens-details (server)       usage.prompt_tokens_details.cached_tokens
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+PRIMARY_STATES = 16  # states the host-memory tier holds (in flight to disk, loaded from it)
+DEFAULT_CAPACITY = 16 * 2**30  # bytes on disk, or half the free space when that is less
+RETENTION_TOKENS = 32  # = the adapter's PREFIX_BLOCK_SIZE: every block boundary is offered
+
+
+class StateDirError(Exception):
+    """--state-dir cannot be used (not a writable folder, or a model it cannot serve)."""
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512M', '16G', '1.5GiB' -> bytes (K/M/G/T are powers of 1024)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = 1
+    if t and t[-1] in "KMGT":
+        scale = 1024 ** ("KMGT".index(t[-1]) + 1)
+        t = t[:-1]
+    try:
+        value = float(t)
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a size (e.g. 16G, 512M, 1073741824)") from None
+    if value <= 0:
+        raise ValueError(f"a size must be positive, got {text!r}")
+    return int(value * scale)
+
+
+def prepare_state_dir(state_dir) -> Path:
+    """Create the folder (readable by its owner only) and prove it takes a file: StateDirError
+    naming the problem otherwise."""
+    root = Path(state_dir).expanduser().resolve()
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        probe = root / f".probe.{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise StateDirError(f"--state-dir {root}: not a writable folder ({e})") from None
+    return root
+
+
+def default_capacity(root: Path) -> int:
+    """DEFAULT_CAPACITY, or half the free space of the folder's file system when less."""
+    return min(DEFAULT_CAPACITY, shutil.disk_usage(root).free // 2)
+
+
+def kv_transfer_config(root: Path, model_fp: str, capacity: int, state_bytes: int) -> dict:
+    """vLLM's --kv-transfer-config for the store (state_bytes: one sequence's state pages)."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "spec_name": "LaplaceStateSpec",
+            "spec_module_path": "serve.state_store.spec",
+            "offload_prompt_only": False,
+            "cpu_bytes_to_use": PRIMARY_STATES * (state_bytes + 2 * 4096),
+            "eviction_policy": "lru",
+            "secondary_tiers": [
+                {
+                    "type": "StateFileTier",
+                    "module_path": "serve.state_store.tier",
+                    "root_dir": str(root),
+                    "model_fingerprint": model_fp,
+                    "capacity_bytes": int(capacity),
+                }
+            ],
+        },
+    }
