@@ -54,6 +54,7 @@ import sys
 from pathlib import Path
 
 from serve.replicas import BIND_ENV, resolve_replicas
+from serve.state_store import settings
 
 ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
@@ -161,6 +162,34 @@ def make_llm(model: str, **kwargs):
 _ENGINE_KEYS = ("max_model_len", "max_num_seqs", "compile", "seed", "dtype", "prefix_caching")
 
 
+def state_store_config(
+    model, state_dir, capacity: int | None, dtype: str | None, engine_args=()
+) -> dict:
+    """The --kv-transfer-config of `--state-dir` (serve/state_store/), after its checks: a
+    StateDirError names what is wrong (a hybrid, a folder that takes no file)."""
+    from serve.configuration_laplace import LaplaceHFConfig
+    from serve.state_store.fingerprint import model_fingerprint
+
+    spec = LaplaceHFConfig.from_dict(_config(model)).laplace_config
+    if spec.attention_every:
+        raise settings.StateDirError(
+            "--state-dir stores a conversation as its recurrent state, and a hybrid's attention "
+            "layers keep theirs as KV blocks that grow with the history: vLLM 0.32's offloading "
+            "scheduler stores those block by block, not as one state per turn (docs/design.md "
+            "s10.3); serve a hybrid with --enable-prefix-caching"
+        )
+    root = settings.prepare_state_dir(state_dir)
+    capacity = capacity or settings.default_capacity(root)
+    fp = model_fingerprint(model, serving_dtype(model, dtype), engine_args)
+    print(
+        f"serve.vllm_adapter: conversation states stored under {root}/ (model {fp[:16]}; "
+        f"capacity {capacity / 2**30:.2f} GiB, least recently used first out)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return settings.kv_transfer_config(root, fp, capacity, spec.page_bytes_per_sequence())
+
+
 def generate(llm, prompts, max_tokens: int, temperature: float = 0.0, seed: int | None = None):
     """prompts: strings or lists of token ids. Returns one dict per prompt."""
     from vllm import SamplingParams
@@ -192,7 +221,11 @@ def serve(args) -> None:
 
     register()
     # vLLM's own flag passed through --vllm-arg means the same as ours (with our block size)
-    prefix = args.enable_prefix_caching or "--enable-prefix-caching" in args.vllm_arg
+    prefix = (
+        args.enable_prefix_caching
+        or "--enable-prefix-caching" in args.vllm_arg
+        or args.state_store is not None
+    )
     ek = engine_kwargs(
         args.model,
         max_model_len=args.max_model_len,
@@ -230,6 +263,10 @@ def serve(args) -> None:
         argv.append("--skip-tokenizer-init")
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
+    if args.state_store is not None:  # serve/state_store/settings.py
+        argv += ["--prefix-cache-retention-interval", str(settings.RETENTION_TOKENS)]
+        argv += ["--kv-transfer-config", json.dumps(args.state_store)]
+        argv.append("--enable-prompt-tokens-details")
     if args.data_parallel_size > 1:  # one API server (this process), N engine processes
         argv += ["--data-parallel-size", str(args.data_parallel_size)]
     sys.argv = ["vllm.entrypoints.openai.api_server", *argv, *args.vllm_arg]
@@ -283,6 +320,19 @@ def main(argv=None) -> int:
         "turn prefills only what follows it",
     )
     ap.add_argument(
+        "--state-dir",
+        default=None,
+        help="keep each conversation's recurrent state on disk under DIR/<model fingerprint>/ "
+        "(turns on --enable-prefix-caching): a later turn resumes from it after a restart or on "
+        "another replica sharing DIR (docs/serving.md)",
+    )
+    ap.add_argument(
+        "--state-dir-bytes",
+        default=None,
+        help="the store's capacity on disk, e.g. 16G or 512M (default: 16 GiB, or half the free "
+        "space when less); least recently used states go first",
+    )
+    ap.add_argument(
         "--data-parallel-size",
         "-dp",
         type=int,
@@ -321,6 +371,23 @@ def main(argv=None) -> int:
             "--data-parallel-size serves replicas in server mode only (vLLM 0.32 runs offline "
             "data parallel for MoE models only): drop --prompt/--prompt-ids"
         )
+    args.state_store = None
+    if args.state_dir is not None and prompts:
+        ap.error(
+            "--state-dir stores states in server mode: vLLM's offline engine stops stepping when "
+            "its requests finish, before the store has taken their last states (drop "
+            "--prompt/--prompt-ids, or use --enable-prefix-caching)"
+        )
+    if args.state_dir is not None:
+        try:
+            capacity = args.state_dir_bytes and settings.parse_bytes(args.state_dir_bytes)
+            args.state_store = state_store_config(
+                args.model, args.state_dir, capacity, args.dtype, args.vllm_arg
+            )
+        except (ValueError, settings.StateDirError) as e:
+            ap.error(str(e))
+    elif args.state_dir_bytes is not None:
+        ap.error("--state-dir-bytes sizes the store of --state-dir: give --state-dir too")
     if args.replica_bind is not None:
         os.environ[BIND_ENV] = args.replica_bind
         print(

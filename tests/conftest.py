@@ -34,6 +34,8 @@ from shared_fixtures import (  # noqa: E402, F401
     prefix_flag_server,
     readme_tour,
     replica_server,
+    state_dir,
+    store_server,
     tiny_export,
     tiny_hybrid_export,
     vllm_engine,

@@ -6,7 +6,8 @@ vLLM engine or server start) and one configuration serves every test that needs 
 needs an engine of another configuration builds its own and says why in one line.
 
 Jobs started early (`start_early`, called once the tests are collected): the subprocesses a run
-will need, the 2-replica server, the prefix-caching server of tests/test_vllm_prefix.py,
+will need, the 2-replica server, the state store's server and the prefix-caching server of
+tests/test_state_store.py and tests/test_vllm_prefix.py,
 `bench.device --dry-run`, the README's tour (tests/tour.py) and the MQAR training runs
 (tests/mqar_runs.py, one after another), start before the first test, so that their work (tens
 of seconds to minutes each) runs beside the tests that come before them, on the core those leave
@@ -40,7 +41,7 @@ VLLM_ENV = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with a function (state pages)
 }
-SERVER_MAX_LEN = 128  # --max-model-len of the shared server
+SERVER_MAX_LEN = 512  # --max-model-len of the shared servers (a conversation of 6 turns)
 # The environment the run started with (tests/conftest.py's settings included): vLLM and lm-eval,
 # run in this process, add to os.environ (LD_PRELOAD, thread and cache settings, ...); a process
 # that stands for a user's fresh command gets this one.
@@ -51,10 +52,14 @@ EARLY: dict = {}  # what start_early started, taken by the fixtures below
 def start_early(items, tmp_path_factory) -> None:
     """Start the early jobs the collected `items` use (see the module doc)."""
     used = {name for item in items for name in getattr(item, "fixturenames", ())}
-    if "replica_server" in used or "prefix_flag_server" in used:
+    if used & {"replica_server", "prefix_flag_server", "store_server"}:
         EARLY["tiny_export"] = export_tiny(tmp_path_factory.mktemp("tiny_export"), seed=1)
+    if used & {"replica_server", "store_server"}:
+        EARLY["state_dir"] = tmp_path_factory.mktemp("states")
     if "replica_server" in used:
-        EARLY["replica_server"] = _start_replica_server(EARLY["tiny_export"][2])
+        EARLY["replica_server"] = _start_replica_server(EARLY["tiny_export"][2], EARLY["state_dir"])
+    if "store_server" in used:
+        EARLY["store_server"] = _start_store_server(EARLY["tiny_export"][2], EARLY["state_dir"])
     if "prefix_flag_server" in used:
         EARLY["prefix_flag_server"] = _start_prefix_flag_server(EARLY["tiny_export"][2])
     if "device_dry_run" in used:
@@ -186,10 +191,11 @@ def descendants(pid: int) -> list[int]:
         return []
 
 
-def _start_replica_server(folder: Path) -> Job:
+def _start_replica_server(folder: Path, state_dir: Path) -> Job:
     """`python -m serve.vllm_adapter` as a user starts it, 2 replicas of 1 core each
-    (`--data-parallel-size 2 --cpu-cores-per-replica 1`), max-model-len 128, 4 sequences per
-    replica."""
+    (`--data-parallel-size 2 --cpu-cores-per-replica 1`), max-model-len 512, 4 sequences per
+    replica, conversation states stored under `state_dir` (`--state-dir`, shared with
+    `_start_store_server`'s server: tests/test_state_store.py)."""
     from serve.replicas import BIND_ENV
 
     port = free_port()
@@ -213,9 +219,44 @@ def _start_replica_server(folder: Path) -> Job:
         "2",
         "--cpu-cores-per-replica",
         "1",
+        "--state-dir",
+        str(state_dir),
     ]
     log_path = folder.parent / "replica_server.log"
     return Job(start_server(cmd, log_path, env, REPO), None, log_path, port)
+
+
+def _start_store_server(folder: Path, state_dir: Path) -> Job:
+    """One engine storing conversation states under `state_dir` (`--state-dir`), max-model-len
+    512, 4 sequences: tests/test_state_store.py stops it (SIGTERM) and goes on with the
+    conversation on the replica server."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "serve.vllm_adapter", "--model", str(folder), "--port", str(port)]
+    cmd += ["--max-model-len", str(SERVER_MAX_LEN), "--max-num-seqs", "4"]
+    cmd += ["--served-model-name", "laplace-tiny", "--state-dir", str(state_dir)]
+    log_path = folder.parent / "store_server.log"
+    env = {**os.environ, **VLLM_ENV}
+    return Job(start_server(cmd, log_path, env, REPO), None, log_path, port)
+
+
+@pytest.fixture(scope="session")
+def state_dir(tmp_path_factory) -> Path:
+    """The --state-dir of the replica server and the store server."""
+    if "state_dir" not in EARLY:
+        EARLY["state_dir"] = tmp_path_factory.mktemp("states")
+    return EARLY["state_dir"]
+
+
+@pytest.fixture(scope="session")
+def store_server(tiny_export, state_dir):
+    """`_start_store_server`'s server (started early when the run collects its test): its Job;
+    the test that uses it stops it."""
+    job = EARLY.pop("store_server", None) or _start_store_server(tiny_export[2], state_dir)
+    try:
+        wait_for_server(job.proc, job.port, job.log_path)
+        yield job
+    finally:
+        stop_server(job.proc)
 
 
 def _start_prefix_flag_server(folder: Path) -> Job:
@@ -243,13 +284,13 @@ def prefix_flag_server(tiny_export):
 
 
 @pytest.fixture(scope="session")
-def replica_server(tiny_export):
+def replica_server(tiny_export, state_dir):
     """The 2-replica server (`_start_replica_server`, started early when the run collects its
     tests): the server tests (tests/test_vllm.py) and the replica tests
     (tests/test_vllm_replicas.py) ask it."""
     from serve.replicas import replica_binding
 
-    job = EARLY.pop("replica_server", None) or _start_replica_server(tiny_export[2])
+    job = EARLY.pop("replica_server", None) or _start_replica_server(tiny_export[2], state_dir)
     bind = replica_binding(2, cores_per_replica=1)  # the first two usable cores
     try:
         base = wait_for_server(job.proc, job.port, job.log_path)

@@ -1,0 +1,418 @@
+"""The agents' state store (`--state-dir`, serve/state_store/): a conversation's state on disk.
+
+Two real servers on one folder (tests/shared_fixtures.py, both started early): the store server
+(one engine) serves a conversation's first 4 turns and is stopped with SIGTERM; the replica
+server (2 engines) goes on with it, turn 5 on replica 0 (the states of a stopped server), turn 6
+on replica 1 (a state replica 0 wrote). Each turn's greedy tokens are the PyTorch model's, and
+`usage.prompt_tokens_details.cached_tokens` is exactly the history up to its last block boundary.
+Then a corrupted and a truncated file: the request computes its prefix instead (from the state
+before), gives the same tokens, the file is removed with one warning line. The file format, a
+kill during a write, two writers of one file, a full disk and the start-up errors are checked
+on real files and processes without an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from serve.state_store import files
+
+MESSAGE, REPLY, BLOCK = 40, 24, 32  # a reply crosses block boundaries while it decodes
+
+
+def boundary(total: int) -> int:
+    """The state a finished request leaves: its last block boundary before its last token (the
+    last token is sampled, never computed through)."""
+    return (total - 1) // BLOCK * BLOCK
+
+
+def state_files(root: Path) -> set[Path]:
+    return set(root.rglob(f"*{files.SUFFIX}"))
+
+
+def wait_for_new_file(root: Path, before: set[Path], timeout: float = 20) -> Path:
+    """The one state file written since `before` (the writer thread runs after the reply)."""
+    deadline = time.monotonic() + timeout
+    while not (new := state_files(root) - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(new) == 1, new
+    return new.pop()
+
+
+@pytest.fixture(scope="module")
+def torch_model(tiny_export):
+    from serve.modeling_laplace import LaplaceForCausalLM
+
+    return LaplaceForCausalLM.from_exported(tiny_export[2])
+
+
+def turn(base: str, history: list[int], rng, rank: int | None = None):
+    """Send history + a new message (greedy, REPLY tokens): (prompt, reply, cached tokens)."""
+    import urllib.request
+
+    prompt = history + rng.integers(3, 300, MESSAGE).tolist()
+    body = {
+        "model": "laplace-tiny",
+        "prompt": prompt,
+        "max_tokens": REPLY,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    headers = {"Content-Type": "application/json"}
+    if rank is not None:  # vLLM's header: the replica that serves the request
+        headers["X-data-parallel-rank"] = str(rank)
+    req = urllib.request.Request(
+        base + "/v1/completions", json.dumps(body).encode(), headers=headers
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out = json.loads(r.read())
+    cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return prompt, out["choices"][0]["token_ids"], cached
+
+
+def test_a_conversation_resumes_from_disk_after_a_stop_and_on_another_replica(
+    store_server, replica_server, state_dir, torch_model
+):
+    from serve.generation import greedy_generate
+
+    def reference(prompt):
+        return greedy_generate(torch_model, [prompt], REPLY)[0]
+
+    rng = np.random.default_rng(5)
+    base_a = f"http://127.0.0.1:{store_server.port}"
+    # turns 1-4 on the store server; each finished turn leaves one file
+    history, histories, files_of_turn, totals = [], [], [], []
+    for k in range(4):
+        before = state_files(state_dir)
+        prompt, reply, cached = turn(base_a, history, rng)
+        assert reply == reference(prompt), k
+        assert cached == (boundary(totals[-1]) if totals else 0), k  # the engine's own cache
+        history = prompt + reply
+        histories.append(history)
+        totals.append(len(history))
+        if k < 3:
+            files_of_turn.append(wait_for_new_file(state_dir, before))
+    # stopped right after turn 4's reply: the write in flight is finished before it exits
+    store_server.proc.send_signal(signal.SIGTERM)
+    assert store_server.proc.wait(timeout=60) == 0
+    files_of_turn.append(wait_for_new_file(state_dir, before, timeout=0))
+    assert not list(state_dir.rglob("*.tmp"))
+    root = files_of_turn[0].parent.parent  # state_dir/<store fingerprint>/
+    assert {p.parent.parent for p in files_of_turn} == {root} and root.stat().st_mode & 0o077 == 0
+
+    # turn 5 on replica 0 of another server: from turn 4's state on disk
+    base_b = replica_server.base
+    before = state_files(state_dir)
+    prompt, reply, cached = turn(base_b, history, rng, rank=0)
+    assert reply == reference(prompt)
+    assert cached == boundary(totals[-1]) > 0
+    history = prompt + reply
+    totals.append(len(history))
+    wait_for_new_file(state_dir, before)
+
+    # turn 6 on replica 1, which never saw the conversation: from the state replica 0 wrote
+    prompt, reply, cached = turn(base_b, history, rng, rank=1)
+    assert reply == reference(prompt)
+    assert cached == boundary(totals[-1])
+
+    # a corrupted file (turn 3's): removed with one warning, the prefix computed from turn 2's
+    # state instead, the same tokens
+    path = files_of_turn[2]
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    prompt, reply, cached = turn(base_b, histories[2], rng, rank=0)
+    assert reply == reference(prompt)
+    assert cached == boundary(totals[1])
+    assert not path.exists()
+    # a truncated file (turn 2's): the same, from turn 1's state
+    path = files_of_turn[1]
+    path.write_bytes(path.read_bytes()[:-1000])
+    prompt, reply, cached = turn(base_b, histories[1], rng, rank=1)
+    assert reply == reference(prompt)
+    assert cached == boundary(totals[0])
+    assert not path.exists()
+    log = replica_server.log_path.read_text()
+    warned = [line for line in log.splitlines() if "state store: removed" in line]
+    assert len(warned) == 2, warned
+    assert "checksum mismatch" in warned[0] and "truncated payload" in warned[1], warned
+
+
+# ---- the file format, writers and faults, on real files without an engine -------------------
+
+FP, KEY = bytes(range(32)), bytes(range(100, 136))
+
+
+def test_a_state_file_round_trips_and_every_damage_is_named(tmp_path):
+    payload = np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8)
+    path = files.state_path(tmp_path, KEY)
+    assert files.write_state(path, FP, KEY, payload) == path.stat().st_size
+    out = np.zeros_like(payload)
+    files.read_state(path, FP, KEY, out)
+    np.testing.assert_array_equal(out, payload)
+    good = path.read_bytes()
+
+    def damaged(data: bytes, fp=FP, key=KEY, size=payload.size) -> str:
+        path.write_bytes(data)
+        with pytest.raises(files.StateFileError) as e:
+            files.read_state(path, fp, key, np.zeros(size, np.uint8))
+        return str(e.value)
+
+    header = 60 + len(KEY)
+    assert "bad magic" in damaged(b"x" + good[1:])
+    assert "format version 7" in damaged(good[:8] + (7).to_bytes(4, "little") + good[12:])
+    assert "another model" in damaged(good, fp=bytes(32))
+    assert "its key" in damaged(good, key=bytes(36))
+    assert "the engine's state is 4999" in damaged(good, size=4999)
+    assert "truncated header" in damaged(good[:30])
+    assert "truncated payload" in damaged(good[:-1])
+    assert "bytes after" in damaged(good + b"\0")
+    flipped = bytearray(good)
+    flipped[header + 17] ^= 1
+    assert "checksum" in damaged(bytes(flipped))
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    import numpy as np
+    from serve.state_store import files
+    root, key = Path(sys.argv[1]), bytes.fromhex(sys.argv[2])
+    fill, n = int(sys.argv[3]), int(sys.argv[4])
+    payload = np.full(1 << 24, fill, np.uint8)  # 16 MiB: a write takes a while
+    print("writing", flush=True)
+    for i in range(n):
+        k = key if n < 0 or sys.argv[5] == "same" else key + i.to_bytes(4, "big")
+        files.write_state(files.state_path(root, k), bytes(32), k, payload)
+    """
+)
+
+
+def _writer(root, fill, n, mode):
+    cmd = [sys.executable, "-c", WRITER, str(root), KEY.hex(), str(fill), str(n), mode]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+
+
+def _read_all(root: Path) -> list[int]:
+    """Each state file's fill value; every one must read whole."""
+    fills = []
+    for path in sorted(state_files(root)):
+        out = np.zeros(1 << 24, np.uint8)
+        files.read_state(path, bytes(32), bytes.fromhex(path.name.split(".")[0]), out)
+        assert (out == out[0]).all()
+        fills.append(int(out[0]))
+    return fills
+
+
+def test_a_writer_killed_mid_write_leaves_whole_files_only(tmp_path):
+    proc = _writer(tmp_path, 7, 1000, "distinct")
+    assert proc.stdout.readline() == "writing\n"
+    time.sleep(0.4)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert _read_all(tmp_path) == [7] * len(state_files(tmp_path))  # whole, or not there
+
+
+def test_two_writers_of_one_state_leave_one_whole_file(tmp_path):
+    procs = [_writer(tmp_path, fill, 12, "same") for fill in (1, 2)]
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+    assert _read_all(tmp_path) in ([1], [2])
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_two_exports_of_one_config_never_share_a_store(tiny_export, tmp_path):
+    """Different weights, same config: different fingerprints, so different folders; a file
+    moved from one store to the other is refused as another model's."""
+    from laplace_export_helpers import export_tiny
+
+    from serve.state_store.fingerprint import model_fingerprint, store_fingerprint
+
+    other = export_tiny(tmp_path / "other", seed=2)[2]
+    one = model_fingerprint(tiny_export[2], "float32")
+    assert json.loads((other / "config.json").read_text()) == json.loads(
+        (tiny_export[2] / "config.json").read_text()
+    )
+    assert model_fingerprint(other, "float32") != one
+    assert model_fingerprint(tiny_export[2], "bfloat16") != one
+    layout = {"bytes_per_block": 8192}
+    fp_one, fp_other = (
+        store_fingerprint(m, layout) for m in (one, model_fingerprint(other, "float32"))
+    )
+    path = files.state_path(tmp_path, KEY)
+    files.write_state(path, fp_one, KEY, b"s" * 64)
+    with pytest.raises(files.StateFileError, match="another model"):
+        files.read_state(path, fp_other, KEY, bytearray(64))
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 256 KiB tmpfs (a disk that fills): mounting needs root, as on this project's machines."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    status = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)])
+    assert status.returncode == 0, "mounting a tmpfs (root) failed"
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def _tier(root: Path, state_bytes: int, capacity: int, chunks: int = 4):
+    """The store's real tier in this process, on the real spec of a one-group engine whose
+    state is `state_bytes` a sequence (what vLLM's connector gives it), over `chunks` chunks
+    of host memory."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    from serve.state_store.spec import LaplaceStateSpec
+    from serve.state_store.tier import StateFileTier
+
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(BLOCK, ("model.layers.0.mixer",), 0),),
+        worker_kv_bytes_per_block=state_bytes,
+        enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": chunks * 4096, "offload_prompt_only": False},
+        engine_id="test",
+        model=OffloadingModelConfig("tiny", "float32"),
+        cache=OffloadingCacheConfig(BLOCK, 1),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
+    )
+    host = np.zeros((chunks, 4096), np.int8)
+    tier = StateFileTier(
+        LaplaceStateSpec(config), memoryview(host), "StateFileTier", str(root), "f" * 64, capacity
+    )
+    return tier, host
+
+
+def _finish(tier, req: str, key: bytes, chunk: int, end: int):
+    """A request reached the state in `chunk` at token `end`, then finished."""
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    ctx = ReqContext(req)
+    ctx.set_offload_key_position(key, end)
+    tier.submit_store(TransferJob(len(req), [key], np.array([chunk]), False, ctx))
+    tier.on_request_finished(ctx)
+    tier.drain_jobs()
+    assert all(r.success for r in tier.get_finished_jobs())  # the store job: copied, done
+
+
+def test_the_tier_keeps_a_requests_last_state_and_its_lru_capacity(tmp_path):
+    """Of a request's states only its last is written; a load fills the chunk and is a use;
+    past the capacity the least recently used file goes."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    tier, host = _tier(tmp_path, 3000, capacity=3 * 3200)
+    keys = [bytes([i]) * 36 for i in range(5)]
+    ctx = ReqContext("a")
+    for i, (key, end) in enumerate(zip(keys[:3], (64, 96, 32), strict=True)):  # 96: the last
+        host[i, :3000] = i + 1
+        ctx.set_offload_key_position(key, end)
+        tier.submit_store(TransferJob(i, [key], np.array([i]), False, ctx))
+    assert all(r.success for r in tier.get_finished_jobs())
+    tier.on_request_finished(ctx)
+    tier.drain_jobs()
+    assert [tier.lookup(k, ctx) for k in keys[:3]] == [
+        LookupResult.MISS,
+        LookupResult.HIT,
+        LookupResult.MISS,
+    ]
+    host[:] = 0
+    tier.submit_load(TransferJob(9, [keys[1]], np.array([3]), True, ctx))
+    tier.drain_jobs()
+    assert [r.success for r in tier.get_finished_jobs()] == [True]
+    assert (host[3, :3000] == 2).all() and (host[3, 3000:] == 0).all()
+    # 3 states fit: a 4th written pushes out the least recently used
+    for key, chunk in ((keys[2], 0), (keys[3], 1)):
+        time.sleep(0.02)
+        _finish(tier, key.hex(), key, chunk, 32)
+    time.sleep(0.02)
+    tier.submit_load(TransferJob(10, [keys[2]], np.array([3]), True, ctx))  # keys[2]: a use
+    tier.drain_jobs()
+    _finish(tier, "e", keys[4], 2, 32)
+    hits = [tier.lookup(k, ctx) == LookupResult.HIT for k in keys]
+    assert hits == [False, False, True, True, True]  # keys[1], the oldest use, went
+    tier.shutdown()
+
+
+def test_a_full_disk_stops_storing_with_one_warning_and_loads_go_on(tiny_tmpfs, caplog):
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    tier, host = _tier(tiny_tmpfs, 4000, capacity=1 << 30)
+    host[:, :4000] = 5
+    keys = [i.to_bytes(36, "big") for i in range(200)]
+    caplog.set_level("WARNING", logger="vllm.laplace.state_store")
+    for i, key in enumerate(keys):  # 256 KiB: full after a few dozen states
+        _finish(tier, f"r{i}", key, i % 4, 32)
+    warned = [r.getMessage() for r in caplog.records if "state store" in r.getMessage()]
+    assert len(warned) == 1 and "storing stopped" in warned[0], warned
+    assert "No space left" in warned[0]
+    stored = [k for k in keys if tier.lookup(k, ReqContext("x")) == LookupResult.HIT]
+    assert 0 < len(stored) < len(keys)
+    assert not list(tiny_tmpfs.rglob("*.tmp"))
+    host[:] = 0
+    tier.submit_load(TransferJob(1, [stored[-1]], np.array([0]), True, ReqContext("x")))
+    tier.drain_jobs()
+    assert [r.success for r in tier.get_finished_jobs()] == [True] and (host[0, :4000] == 5).all()
+    tier.shutdown()
+
+
+def test_a_state_dir_it_cannot_use_is_an_error_at_start_up(
+    tiny_export, tiny_hybrid_export, tmp_path, capsys
+):
+    from serve import vllm_adapter
+
+    def refused(*args) -> str:
+        with pytest.raises(SystemExit) as stop:
+            vllm_adapter.main(["--model", str(tiny_export[2]), *args])
+        assert stop.value.code == 2
+        return capsys.readouterr().err
+
+    (tmp_path / "a_file").write_text("")
+    assert "not a writable folder" in refused("--state-dir", str(tmp_path / "a_file" / "states"))
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    assert (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)]).returncode
+        == 0
+    )
+    try:
+        assert "Read-only file system" in refused("--state-dir", str(ro / "states"))
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+    assert "give --state-dir too" in refused("--state-dir-bytes", "1G")
+    assert "in server mode" in refused("--state-dir", str(tmp_path / "s"), "--prompt", "hi")
+    assert "cannot read '12X'" in refused(
+        "--state-dir", str(tmp_path / "s"), "--state-dir-bytes", "12X"
+    )
+    with pytest.raises(SystemExit) as stop:
+        vllm_adapter.main(
+            ["--model", str(tiny_hybrid_export[2]), "--state-dir", str(tmp_path / "h")]
+        )
+    assert stop.value.code == 2 and "a hybrid's attention layers" in capsys.readouterr().err
+    assert settings_parse_ok()
+
+
+def settings_parse_ok() -> bool:
+    from serve.state_store.settings import parse_bytes
+
+    assert parse_bytes("16G") == 16 * 2**30 and parse_bytes("1.5GiB") == 3 * 2**29
+    assert parse_bytes("512M") == 512 * 2**20 and parse_bytes("4096") == 4096
+    return True
