@@ -54,7 +54,7 @@ import sys
 from pathlib import Path
 
 from serve.replicas import BIND_ENV, resolve_replicas
-from serve.state_store import settings
+from serve.state_store import offline, settings
 
 ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
@@ -163,7 +163,7 @@ _ENGINE_KEYS = ("max_model_len", "max_num_seqs", "compile", "seed", "dtype", "pr
 
 
 def state_store_config(
-    model, state_dir, capacity: int | None, dtype: str | None, engine_args=()
+    model, state_dir, capacity: int | None, dtype: str | None, engine_args=(), max_num_seqs=None
 ) -> dict:
     """The --kv-transfer-config of `--state-dir` (serve/state_store/), after its checks: a
     StateDirError names what is wrong (a hybrid, a folder that takes no file)."""
@@ -187,7 +187,8 @@ def state_store_config(
         file=sys.stderr,
         flush=True,
     )
-    return settings.kv_transfer_config(root, fp, capacity, spec.page_bytes_per_sequence())
+    seqs = engine_kwargs(model, max_num_seqs=max_num_seqs, prefix_caching=True)["max_num_seqs"]
+    return settings.kv_transfer_config(root, fp, capacity, spec.page_bytes_per_sequence(), seqs)
 
 
 def generate(llm, prompts, max_tokens: int, temperature: float = 0.0, seed: int | None = None):
@@ -209,6 +210,7 @@ def generate(llm, prompts, max_tokens: int, temperature: float = 0.0, seed: int 
             "prompt_token_ids": list(o.prompt_token_ids),
             "token_ids": list(o.outputs[0].token_ids),
             "text": o.outputs[0].text,
+            "cached_tokens": o.num_cached_tokens or 0,  # prompt tokens from a cache or store
         }
         for p, o in zip(prompts, outs, strict=True)
     ]
@@ -372,17 +374,16 @@ def main(argv=None) -> int:
             "data parallel for MoE models only): drop --prompt/--prompt-ids"
         )
     args.state_store = None
-    if args.state_dir is not None and prompts:
-        ap.error(
-            "--state-dir stores states in server mode: vLLM's offline engine stops stepping when "
-            "its requests finish, before the store has taken their last states (drop "
-            "--prompt/--prompt-ids, or use --enable-prefix-caching)"
-        )
     if args.state_dir is not None:
         try:
             capacity = args.state_dir_bytes and settings.parse_bytes(args.state_dir_bytes)
             args.state_store = state_store_config(
-                args.model, args.state_dir, capacity, args.dtype, args.vllm_arg
+                args.model,
+                args.state_dir,
+                capacity,
+                args.dtype,
+                args.vllm_arg,
+                args.max_num_seqs,
             )
         except (ValueError, settings.StateDirError) as e:
             ap.error(str(e))
@@ -399,6 +400,10 @@ def main(argv=None) -> int:
     if not prompts:
         serve(args)
         return 0
+    store_args = {}
+    if args.state_store is not None:  # serve/state_store/offline.py: the engine in this process
+        offline.in_process()
+        store_args = offline.engine_args(args.state_store, settings.RETENTION_TOKENS)
     llm = make_llm(
         args.model,
         max_model_len=args.max_model_len,
@@ -406,13 +411,16 @@ def main(argv=None) -> int:
         compile=args.compile,
         seed=args.seed,
         dtype=args.dtype,
-        prefix_caching=args.enable_prefix_caching,
+        prefix_caching=args.enable_prefix_caching or args.state_store is not None,
+        **store_args,
     )
     for r in generate(llm, prompts, args.max_tokens, args.temperature, args.seed):
         if args.json:
             print(json.dumps(r), flush=True)
         else:
             print(r["text"] if r["text"] else " ".join(map(str, r["token_ids"])), flush=True)
+    if args.state_store is not None:
+        offline.finish(llm)  # the requests' last states on disk before this process exits
     return 0
 
 

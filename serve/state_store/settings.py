@@ -18,7 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-PRIMARY_STATES = 16  # states the host-memory tier holds (in flight to disk, loaded from it)
+MIN_PRIMARY_STATES = 16  # the host-memory tier holds a state per running sequence, at least this
 DEFAULT_CAPACITY = 16 * 2**30  # bytes on disk, or half the free space when that is less
 RETENTION_TOKENS = 32  # = the adapter's PREFIX_BLOCK_SIZE: every block boundary is offered
 
@@ -62,8 +62,15 @@ def default_capacity(root: Path) -> int:
     return min(DEFAULT_CAPACITY, shutil.disk_usage(root).free // 2)
 
 
-def kv_transfer_config(root: Path, model_fp: str, capacity: int, state_bytes: int) -> dict:
-    """vLLM's --kv-transfer-config for the store (state_bytes: one sequence's state pages)."""
+def kv_transfer_config(
+    root: Path, model_fp: str, capacity: int, state_bytes: int, max_num_seqs: int
+) -> dict:
+    """vLLM's --kv-transfer-config for the store (state_bytes: one sequence's state pages).
+
+    The host-memory tier (in /dev/shm) holds max(MIN_PRIMARY_STATES, max_num_seqs) states: every
+    running sequence's newest state has a slot on its way to disk (a state offered to a full
+    tier is not stored: the request's file then holds an earlier boundary)."""
+    primary = max(MIN_PRIMARY_STATES, max_num_seqs) * (state_bytes + 2 * 4096)  # + alignment
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
@@ -72,7 +79,7 @@ def kv_transfer_config(root: Path, model_fp: str, capacity: int, state_bytes: in
             "spec_name": "LaplaceStateSpec",
             "spec_module_path": "serve.state_store.spec",
             "offload_prompt_only": False,
-            "cpu_bytes_to_use": PRIMARY_STATES * (state_bytes + 2 * 4096),
+            "cpu_bytes_to_use": primary,
             "eviction_policy": "lru",
             "secondary_tiers": [
                 {
