@@ -6,6 +6,7 @@ side with a vLLM-served Llama of the same width, depth, FFN width and vocabulary
     python -m bench.serve --budget-requests 640 --turns 5 ...   # any size (see --help)
     python -m bench.serve --profile  # the decode-step profile -> bench/results/serve_profile.json
     python -m bench.serve --hybrid   # the hybrid rows -> bench/results/serve_hybrid.json
+    python -m bench.serve --agent-resume  # the state store -> bench/results/agent_resume.json
 
 Measured in one run (absolute CPU numbers are not comparable to the write-up's; ratios are):
 - output tokens/s vs concurrency (1, 8, 32, 64 sequences) at 64-token prompts (the original
@@ -56,6 +57,8 @@ This file is the run, in order; the parts are `bench/serving/`:
     profile.py     `--profile`: decode step time against the layer count, a layer's GEMMs alone
     hybrid.py      `--hybrid`: the hybrids beside Laplace and Llama (bytes per sequence, the
                    shared budget, 2,048-token prompts)
+    agent_resume.py `--agent-resume`: a conversation resumed after a restart from the state
+                   store (`--state-dir`) against a cold re-prefill; bytes on disk; replicas
     plot.py        the PNG beside the result
 The result is written by `bench.common.write_result` (the machine and library versions with it).
 
@@ -124,6 +127,7 @@ import time
 from pathlib import Path
 
 from bench.common import RESULTS, write_result
+from bench.serving.agent_resume import run_agent_resume
 from bench.serving.headlines import headlines, run_notes
 from bench.serving.hybrid import hybrid_headlines, run_hybrid
 from bench.serving.instrument import instrument_laplace
@@ -156,6 +160,8 @@ def main(argv=None) -> int:
         return profile_main(args, sz)
     if args.hybrid:
         return hybrid_main(args, sz)
+    if args.agent_resume:
+        return agent_resume_main(args, sz)
     out = args.out or RESULTS / ("serve_quick.json" if args.quick else "serve.json")
     conversation = sz.turn_first + (sz.turns - 1) * (sz.turn_reply + sz.turn_message)
     max_len = max(
@@ -248,6 +254,40 @@ def hybrid_main(args, sz) -> int:
     headline = hybrid_headlines(results, sz)
     results["seconds"] = time.perf_counter() - t_start
     name = "serve_hybrid_quick" if args.quick else "serve_hybrid"
+    path = write_result(name, headline, path=args.out or RESULTS / f"{name}.json", **results)
+    print(json.dumps(headline, indent=2))
+    print(f"wrote {path} ({results['seconds']:.0f} s)")
+    return 0
+
+
+def _tokens_label(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def agent_resume_main(args, sz) -> int:
+    """`--agent-resume`: the state store's rows -> bench/results/agent_resume.json (or --out)."""
+    t_start = time.perf_counter()
+    cfg = get_config(PRESET)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_agent_resume_"))
+    max_len = max(sz.resume_histories) + 2 * sz.resume_reply + sz.resume_message + 64
+    lap_dir = export_laplace(cfg, tmp / "laplace", max_len)
+    results = run_agent_resume(cfg, sz, lap_dir, max_len, llama_kv_bytes_per_token(cfg))
+    shutil.rmtree(tmp, ignore_errors=True)
+    headline: dict = {}
+    for row in results["rows"]:
+        k = _tokens_label(row["history"])
+        headline[f"ttft_restart_cold_over_store_{k}"] = row["cold_over_store"]["median"]
+        headline[f"store_bytes_per_conversation_{k}_laplace"] = row["store_bytes"]
+        headline[f"store_bytes_per_conversation_{k}_llama"] = row["llama_kv_bytes"]
+    last = results["rows"][-1]
+    headline[f"cached_tokens_after_restart_{_tokens_label(last['history'])}"] = min(
+        last["cached_tokens"]
+    )
+    headline["replica_handover_hit"] = results["replica"]["hit"]
+    results.update(quick=args.quick, sizes=dataclasses.asdict(sz), preset=PRESET)
+    results["state_bytes_per_sequence"] = cfg.page_bytes_per_sequence()
+    results["seconds"] = time.perf_counter() - t_start
+    name = "agent_resume_quick" if args.quick else "agent_resume"
     path = write_result(name, headline, path=args.out or RESULTS / f"{name}.json", **results)
     print(json.dumps(headline, indent=2))
     print(f"wrote {path} ({results['seconds']:.0f} s)")

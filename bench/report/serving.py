@@ -1,8 +1,9 @@
-"""docs/serving.md: bf16 parity (bench.bf16_parity) and the prefix cache (bench.serve)."""
+"""docs/serving.md: bf16 parity (bench.bf16_parity), the prefix cache (bench.serve) and the
+state store (bench.serve --agent-resume)."""
 
 from __future__ import annotations
 
-from bench.report.fmt import load, sci
+from bench.report.fmt import load, ratio, sci, table
 
 PAGE = "docs/serving.md"
 
@@ -35,4 +36,49 @@ def prefix() -> str:
     )
 
 
-BLOCKS = {"bf16-parity": bf16_parity, "prefix": prefix}
+def state_store() -> str:
+    d = load("agent_resume")
+    rows = []
+    for r in d["rows"]:
+        c = r["cold_over_store"]
+        rows.append(
+            [
+                f"{r['history']:,}",
+                f"{min(r['cached_tokens']):,} of {r['turn2_prompt']:,}",
+                f"{1e3 * min(r['ttft_store_s']):.0f} ms",
+                f"{1e3 * min(r['ttft_cold_s']):,.0f} ms",
+                f"**{ratio(c['median'], 1)}** ({ratio(c['min'], 1)}-{ratio(c['max'], 1)})",
+                f"{r['store_bytes'] / 2**10:,.0f} KiB",
+                f"{r['llama_kv_bytes'] / 2**20:,.0f} MiB",
+            ]
+        )
+    rep = d["replica"]
+    return (
+        f"`python -m bench.serve --agent-resume` (`bench/results/agent_resume.json`, "
+        f"{d['machine']['cpu']}): `small` (random weights, eager); a history, a reply of "
+        f"{d['sizes']['resume_reply']} tokens, the server stopped and started again on the same "
+        f"folder, then a {d['sizes']['resume_message']}-token message: time to first token from "
+        f"the store, and of the same request recomputing the whole history (cold: another "
+        f"`cache_salt`), {d['sizes']['resume_rounds']} restarts each (the fastest, and the "
+        f"median ratio with its range); on disk, the conversation's two turns:\n\n"
+        + table(
+            [
+                "history",
+                "cached after restart",
+                "first token, store",
+                "first token, cold",
+                "cold / store",
+                "on disk",
+                "Llama's KV",
+            ],
+            rows,
+        )
+        + f"\n\nOn disk a conversation costs one state a turn "
+        f"({d['state_bytes_per_sequence'] / 2**10:,.0f} KiB each) however long it is; "
+        f"Llama's KV bytes (fp32, computed) grow with every token. Replica hand-over (a "
+        f"2-replica server, turn 2 sent to the replica that did not serve turn 1): "
+        f"{rep['cached_tokens']:,} tokens cached of an expected {rep['expected']:,}."
+    )
+
+
+BLOCKS = {"bf16-parity": bf16_parity, "prefix": prefix, "state-store": state_store}

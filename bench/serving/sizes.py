@@ -65,6 +65,10 @@ class Sizes:
     profile_layers: tuple[int, ...] = (2, 4, 8)  # --profile: depths of the decode-step fit
     profile_seqs: tuple[int, ...] = (1, 8)  # --profile: sequences decoding at once
     profile_rounds: int = 7  # --profile: alternating rounds of timed windows per depth
+    resume_histories: tuple[int, ...] = (2048, 8192, 32768)  # --agent-resume: history lengths
+    resume_message: int = 64  # --agent-resume: the new message of the turn after the restart
+    resume_reply: int = 32  # --agent-resume: each turn's greedy reply
+    resume_rounds: int = 3  # --agent-resume: restarts per history (store and cold each time)
 
 
 FULL = Sizes()
@@ -96,6 +100,8 @@ QUICK = dataclasses.replace(
     seed_new_tokens=16,
     hybrid_contexts=(512, 2048),
     hybrid_budget_rounds=1,
+    resume_histories=(512, 2048),
+    resume_rounds=2,
 )
 
 
@@ -131,6 +137,12 @@ def parse_sizes(argv=None) -> tuple[argparse.Namespace, Sizes]:
         "--hybrid",
         action="store_true",
         help="only the hybrid rows (bench/serving/hybrid.py) -> serve_hybrid.json",
+    )
+    ap.add_argument(
+        "--agent-resume",
+        action="store_true",
+        help="only the state store's restart and replica rows (bench/serving/agent_resume.py) "
+        "-> agent_resume.json",
     )
     ap.add_argument("--out", type=Path, default=None, help="result JSON (a PNG beside it)")
     for f in dataclasses.fields(Sizes):
