@@ -253,7 +253,12 @@ def hybrid_main(args, sz) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     headline = hybrid_headlines(results, sz)
     results["seconds"] = time.perf_counter() - t_start
-    name = "serve_hybrid_quick" if args.quick else "serve_hybrid"
+    return _write(args, "serve_hybrid", headline, results)
+
+
+def _write(args, name: str, headline: dict, results: dict) -> int:
+    """A part's result: bench/results/NAME.json (NAME_quick.json with --quick; or --out)."""
+    name += "_quick" if args.quick else ""
     path = write_result(name, headline, path=args.out or RESULTS / f"{name}.json", **results)
     print(json.dumps(headline, indent=2))
     print(f"wrote {path} ({results['seconds']:.0f} s)")
@@ -287,11 +292,7 @@ def agent_resume_main(args, sz) -> int:
     results.update(quick=args.quick, sizes=dataclasses.asdict(sz), preset=PRESET)
     results["state_bytes_per_sequence"] = cfg.page_bytes_per_sequence()
     results["seconds"] = time.perf_counter() - t_start
-    name = "agent_resume_quick" if args.quick else "agent_resume"
-    path = write_result(name, headline, path=args.out or RESULTS / f"{name}.json", **results)
-    print(json.dumps(headline, indent=2))
-    print(f"wrote {path} ({results['seconds']:.0f} s)")
-    return 0
+    return _write(args, "agent_resume", headline, results)
 
 
 if __name__ == "__main__":

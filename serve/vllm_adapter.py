@@ -266,7 +266,8 @@ def serve(args) -> None:
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
     if args.state_store is not None:  # serve/state_store/settings.py
-        argv += ["--prefix-cache-retention-interval", str(settings.RETENTION_TOKENS)]
+        # every block boundary's state is offered to the store, a reply's too
+        argv += ["--prefix-cache-retention-interval", str(PREFIX_BLOCK_SIZE)]
         argv += ["--kv-transfer-config", json.dumps(args.state_store)]
         argv.append("--enable-prompt-tokens-details")
     if args.data_parallel_size > 1:  # one API server (this process), N engine processes
@@ -403,7 +404,7 @@ def main(argv=None) -> int:
     store_args = {}
     if args.state_store is not None:  # serve/state_store/offline.py: the engine in this process
         offline.in_process()
-        store_args = offline.engine_args(args.state_store, settings.RETENTION_TOKENS)
+        store_args = offline.engine_args(args.state_store, PREFIX_BLOCK_SIZE)
     llm = make_llm(
         args.model,
         max_model_len=args.max_model_len,

@@ -28,8 +28,9 @@ import pytest
 from shared_fixtures import START_ENV, VLLM_ENV
 
 from serve.state_store import files
+from serve.vllm_adapter import PREFIX_BLOCK_SIZE as BLOCK
 
-MESSAGE, REPLY, BLOCK = 40, 24, 32  # a reply crosses block boundaries while it decodes
+MESSAGE, REPLY = 40, 24  # a reply crosses block boundaries (BLOCK) while it decodes
 
 
 def boundary(total: int) -> int:

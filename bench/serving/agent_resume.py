@@ -38,7 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-BLOCK = 32  # the adapter's PREFIX_BLOCK_SIZE
+from serve.vllm_adapter import PREFIX_BLOCK_SIZE as BLOCK
+
 REPO = Path(__file__).resolve().parents[2]
 
 

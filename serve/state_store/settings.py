@@ -3,12 +3,14 @@
 vLLM engine                                  why
 --enable-prefix-caching, align mode, 32-token the states at block boundaries are what a
 blocks                                        later prompt starts from (docs/design.md s10)
---prefix-cache-retention-interval 32          vLLM offers the state of every block boundary,
+--prefix-cache-retention-interval 32          (the block size: the adapter's PREFIX_BLOCK_SIZE)
+                                              vLLM offers the state of every block boundary,
                                               a reply's too (its default, 0, offers only the
                                               prompt's last: a reply would never be stored)
 --kv-transfer-config: vLLM's OffloadingConnector with `spec.LaplaceStateSpec` (its host-
-memory tier, `PRIMARY_STATES` states) over `tier.StateFileTier` (`--state-dir`), prompt and
-reply alike (`offload_prompt_only` false); a failed load is recomputed
+memory tier: a state per running sequence, at least MIN_PRIMARY_STATES) over
+`tier.StateFileTier` (`--state-dir`), prompt and reply alike (`offload_prompt_only` false); a
+failed load is recomputed
 --enable-prompt-tokens-details (server)       usage.prompt_tokens_details.cached_tokens
 """
 
@@ -20,7 +22,6 @@ from pathlib import Path
 
 MIN_PRIMARY_STATES = 16  # the host-memory tier holds a state per running sequence, at least this
 DEFAULT_CAPACITY = 16 * 2**30  # bytes on disk, or half the free space when that is less
-RETENTION_TOKENS = 32  # = the adapter's PREFIX_BLOCK_SIZE: every block boundary is offered
 
 
 class StateDirError(Exception):

@@ -159,9 +159,10 @@ class StateFileTier(SecondaryTierManager):
 
     def _write(self, key: OffloadKey, state: bytes) -> None:
         path = files.state_path(self.root, key)
-        if not self._storing or path.is_file():  # the same state: kept, made the newest
-            if path.is_file():
-                os.utime(path)
+        if path.is_file():  # the same state: kept, made the newest
+            os.utime(path)
+            return
+        if not self._storing:
             return
         try:
             size = files.write_state(path, self.fingerprint, key, state)
