@@ -226,11 +226,16 @@ def test_server_rejects_bad_requests_and_keeps_serving(server, bad):
 # ---- bf16 served as bf16; defaults derived from the folder -----------------------------------
 
 # The two bf16 paths follow one contract (docs/design.md s12.4), so they differ only where vLLM's
-# kernels sum in another fp32 order than the PyTorch ones (GEMMs, the GLA's output): rarely
-# enough, in this tiny model, that the served log-probabilities equal the module's run the way
-# vLLM runs it (0.0 on an Intel Xeon; 1.6e-2 before the contract, against the module's
-# whole-sequence form, which itself differs from its token-by-token form by that much in bf16)
+# kernels sum in another fp32 order than the PyTorch ones (GEMMs, the GLA's output), and an entry
+# then rounds to the neighbouring bf16 value. On an Intel Xeon (AMX) none did in this tiny model
+# (0.0 on every step); on an AMD EPYC (AVX-512 BF16, no AMX) 2 of the 300-token prompt's GLA
+# outputs in layer 0 did (of 19,200), and 3 of its 48 steps were 1.45e-2 to 1.57e-2 apart, the
+# other 141 of 144 within 8e-4. So most steps must be within BF16_LOGPROB_TOL, and the rest within
+# one such rounding's reach, BF16_FLIP_TOL (before the contract most steps differed: 3.3e-2 at
+# most, against the module's whole-sequence form)
 BF16_LOGPROB_TOL = 5e-3
+BF16_FLIP_TOL = 2.5e-2
+BF16_FLIP_STEPS = 0.1  # the share of steps that may be past BF16_LOGPROB_TOL
 
 
 def _dtypes(worker):
@@ -244,9 +249,10 @@ def _dtypes(worker):
 def test_vllm_bf16_export_served_as_bf16(exported, prompts):
     """A bf16 export is served with bf16 weights and fp32 state pages; the log-probabilities of
     the tokens vLLM picks equal the PyTorch bf16 module's on the same tokens (teacher-forced,
-    prefill then one token at a time, as vLLM runs) within BF16_LOGPROB_TOL, and its greedy
-    tokens are the module's; a divergence reports the module's top-two margin where it
-    happens (a near tie that a rounding apart could flip)."""
+    prefill then one token at a time, as vLLM runs) within BF16_LOGPROB_TOL on most steps and
+    within BF16_FLIP_TOL on every step, and each greedy token vLLM picks is the module's best
+    or within BF16_FLIP_TOL of it (a near tie that a rounding apart can flip); a pick further
+    behind reports the module's top-two margin there."""
     import torch
     from vllm import SamplingParams
 
@@ -279,10 +285,14 @@ def test_vllm_bf16_export_served_as_bf16(exported, prompts):
         logp = stepwise_logprobs(module, p, toks)  # [N_NEW, vocab]
         want = logp[torch.arange(N_NEW), toks]
         gap = (got - want).abs()
-        assert gap.max().item() <= BF16_LOGPROB_TOL, (len(p), gap.argmax().item(), gap.max())
-        picks = logp.argmax(-1).tolist()
-        if picks != toks:
-            t = next(i for i, (a, b) in enumerate(zip(picks, toks, strict=True)) if a != b)
+        apart = (gap > BF16_LOGPROB_TOL).float().mean().item()
+        assert apart <= BF16_FLIP_STEPS, (len(p), gap.tolist())
+        assert gap.max().item() <= BF16_FLIP_TOL, (len(p), gap.argmax().item(), gap.max())
+        # vLLM's greedy pick is the module's best token, or one the module ranks within a
+        # rounding's reach of it (a near tie: seen on the AMD CPU, a tie of 0.0 at one step)
+        behind = logp.max(-1).values - want  # [N_NEW] how far vLLM's pick is behind the best
+        if behind.max().item() > BF16_FLIP_TOL:
+            t = behind.argmax().item()
             top2 = logp[t].topk(2).values
             margin = (top2[0] - top2[1]).item()
             raise AssertionError(f"prompt of {len(p)}: greedy parts at step {t}, margin {margin}")
