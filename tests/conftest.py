@@ -29,7 +29,10 @@ else:  # set by the caller (or by the run that started this one): theirs to keep
 
 import shared_fixtures  # noqa: E402
 from shared_fixtures import (  # noqa: E402, F401
+    compiled_hybrid_run,
+    compiled_varlen_run,
     hybrid_recall_run,
+    killed_store_server,
     mqar_task_runs,
     prefix_flag_server,
     readme_tour,

@@ -1,20 +1,14 @@
 """The MQAR training runs of tests/test_tasks.py and tests/test_hybrid_recall.py: `train.main`
-on one CPU device in a subprocess, a minute or two each.
-
-shared_fixtures.start_early queues the ones the collected tests use, to run one after another in
-a background thread from the start of the session (beside the tests that come before theirs,
-on the core those leave idle); a test waits for its run's result (`finished`), or runs it
-itself when nothing queued it (a test run alone).
+on one CPU device in a subprocess, a minute or two each, run by the background queue
+(tests/background.py) from the start of the session, or by the test itself when nothing queued
+it (a test run alone).
 """
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = 256  # the hybrid's MQAR task vocabulary (bench.retrieval's): 127 keys, chance 1/128
 RECALL_STEPS = 400
 
@@ -85,50 +79,8 @@ def _widened(task: str, run_dir: Path, steps: int) -> list[str]:
     ]
 
 
-def launch(args: list[str], env: dict) -> subprocess.Popen:
-    """`python -m train.main ARGS` on one CPU device at XLA's default optimisation (the tests'
-    compile flags, tests/xla_env.py, would make these runs twice as slow)."""
+def commands(runs: list[list[str]], env: dict) -> list[tuple[list[str], dict]]:
+    """`python -m train.main ARGS` for each run, on one CPU device at XLA's default optimisation
+    (the tests' compile flags, tests/xla_env.py, would make these runs twice as slow)."""
     env = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    cmd = [sys.executable, "-m", "train.main", *args]
-    return subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-
-
-class Queue:
-    """Named lists of trainer runs, run one after another in a background thread."""
-
-    def __init__(self, jobs: dict[str, list[list[str]]], env: dict):
-        self.jobs, self.env = jobs, env
-        self.results: dict[str, tuple[int, str]] = {}
-        self.events = {name: threading.Event() for name in jobs}
-        self.current: subprocess.Popen | None = None
-        self.stopped = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        for name, runs in self.jobs.items():
-            status = (0, "")
-            for args in runs:
-                if self.stopped:
-                    status = (-1, "stopped before it ran")
-                    break
-                self.current = launch(args, self.env)
-                _, err = self.current.communicate()
-                status = (self.current.returncode, err.decode()[-3000:])
-                if status[0]:
-                    break
-            self.results[name] = status
-            self.events[name].set()
-
-    def finished(self, name: str) -> tuple[int, str]:
-        """(exit status, stderr's end) of `name`'s runs, once they are done."""
-        self.events[name].wait()
-        return self.results[name]
-
-    def stop(self) -> None:
-        """Run nothing more and kill the run in progress (a session stopped early)."""
-        self.stopped = True
-        if self.current is not None and self.current.poll() is None:
-            self.current.kill()
+    return [([sys.executable, "-m", "train.main", *args], env) for args in runs]

@@ -6,24 +6,28 @@ vLLM engine or server start) and one configuration serves every test that needs 
 needs an engine of another configuration builds its own and says why in one line.
 
 Jobs started early (`start_early`, called once the tests are collected): the subprocesses a run
-will need, the 2-replica server, the state store's server and the prefix-caching server of
+will need, the 2-replica server, the state store's two servers and the prefix-caching server of
 tests/test_state_store.py and tests/test_vllm_prefix.py,
-`bench.device --dry-run`, the README's tour (tests/tour.py) and the MQAR training runs
-(tests/mqar_runs.py, one after another), start before the first test, so that their work (tens
-of seconds to minutes each) runs beside the tests that come before them, on the core those leave
-idle (a JAX compile uses one). Idle, a started server costs about 1% of a core. Only the jobs of
-the collected tests start.
+`bench.device --dry-run`, the README's tour (tests/tour.py), and one queue (tests/background.py)
+of the MQAR training runs (tests/mqar_runs.py) and the compiled vLLM engines
+(tests/compiled_engines.py), run one after another in the order the tests need them, start
+before the first test, so that their work (tens of seconds to minutes each) runs beside the
+tests that come before them, on the core those leave idle (a JAX compile uses one). Idle, a
+started server costs about 1% of a core. Only the jobs of the collected tests start.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import background
+import compiled_engines
 import mqar_runs
 import pytest
 import tour
@@ -52,33 +56,65 @@ EARLY: dict = {}  # what start_early started, taken by the fixtures below
 def start_early(items, tmp_path_factory) -> None:
     """Start the early jobs the collected `items` use (see the module doc)."""
     used = {name for item in items for name in getattr(item, "fixturenames", ())}
-    if used & {"replica_server", "prefix_flag_server", "store_server"}:
+    if used & {"replica_server", "prefix_flag_server", "store_server", "killed_store_server"}:
         EARLY["tiny_export"] = export_tiny(tmp_path_factory.mktemp("tiny_export"), seed=1)
-    if used & {"replica_server", "store_server"}:
+    if used & {"replica_server", "store_server", "killed_store_server"}:
         EARLY["state_dir"] = tmp_path_factory.mktemp("states")
     if "replica_server" in used:
         EARLY["replica_server"] = _start_replica_server(EARLY["tiny_export"][2], EARLY["state_dir"])
     if "store_server" in used:
         EARLY["store_server"] = _start_store_server(EARLY["tiny_export"][2], EARLY["state_dir"])
+    if "killed_store_server" in used:
+        EARLY["killed_store_server"] = _start_store_server(
+            EARLY["tiny_export"][2], EARLY["state_dir"], "killed_store_server.log"
+        )
     if "prefix_flag_server" in used:
         EARLY["prefix_flag_server"] = _start_prefix_flag_server(EARLY["tiny_export"][2])
     if "device_dry_run" in used:
         EARLY["device_dry_run"] = start_device_dry_run(tmp_path_factory.mktemp("device"))
     if "readme_tour" in used:
         EARLY["readme_tour"] = start_tour(tmp_path_factory)
+    if "compiled_varlen_run" in used and "tiny_export" not in EARLY:
+        EARLY["tiny_export"] = export_tiny(tmp_path_factory.mktemp("tiny_export"), seed=1)
+    if "compiled_hybrid_run" in used:
+        EARLY["tiny_hybrid_export"] = _export_tiny_hybrid(tmp_path_factory)
     jobs = {}
-    for name, runs in mqar_runs.RUNS.items():
+    for name in QUEUE_ORDER:  # the order of the tests that wait for them
         if name in used:
             EARLY[name] = root = tmp_path_factory.mktemp(name)
-            jobs[name] = runs(root)
+            jobs[name] = _queued_commands(name, root)
     if jobs:
-        EARLY["mqar_queue"] = mqar_runs.Queue(jobs, START_ENV)
+        EARLY["queue"] = background.Queue(jobs)
+
+
+# The background queue's jobs (fixture -> its commands), in the order their tests run
+QUEUE_ORDER = ("hybrid_recall_run", "compiled_hybrid_run", "mqar_task_runs", "compiled_varlen_run")
+
+
+def _queued_commands(name: str, root: Path) -> list[background.Command]:
+    if name in mqar_runs.RUNS:
+        return mqar_runs.commands(mqar_runs.RUNS[name](root), START_ENV)
+    env = {**START_ENV, **VLLM_ENV}  # a fresh process, not a child of one that ran vLLM
+    if name == "compiled_hybrid_run":
+        cfg, _, folder = EARLY["tiny_hybrid_export"]
+        spec = compiled_engines.spec(
+            folder, compiled_engines.hybrid_calls(cfg.vocab_size), max_model_len=1024
+        )
+    else:
+        cfg, _, folder = EARLY["tiny_export"]
+        spec = compiled_engines.spec(
+            folder,
+            compiled_engines.varlen_calls(cfg.vocab_size),
+            max_num_batched_tokens=compiled_engines.VARLEN_BUDGET,
+            enable_chunked_prefill=True,
+        )
+    return [compiled_engines.command(spec, root / "out.json", env)]
 
 
 def stop_early() -> None:
     """Stop what was started early and never used (a run stopped before its tests)."""
     for job in EARLY.values():
-        if isinstance(job, (mqar_runs.Queue, tour.TourJob)):
+        if isinstance(job, (background.Queue, tour.TourJob)):
             job.stop()
             continue
         proc = getattr(job, "proc", None)
@@ -129,22 +165,28 @@ def tiny_export(tmp_path_factory):
     return export_tiny(tmp_path_factory.mktemp("tiny_export"), seed=1)
 
 
+def _export_tiny_hybrid(tmp_path_factory):
+    return export_tiny(tmp_path_factory.mktemp("tiny_hybrid"), seed=4, attention_every=2)
+
+
 @pytest.fixture(scope="session")
 def tiny_hybrid_export(tmp_path_factory):
     """(cfg, params, folder): the tiny hybrid (attention_every=2: a GLA layer, then an attention
     layer) with random weights, exported like `tiny_export`."""
-    return export_tiny(tmp_path_factory.mktemp("tiny_hybrid"), seed=4, attention_every=2)
+    if "tiny_hybrid_export" in EARLY:  # made for the early compiled engine
+        return EARLY["tiny_hybrid_export"]
+    return _export_tiny_hybrid(tmp_path_factory)
 
 
-def _trained(name: str, tmp_path_factory) -> Path:
-    """The root directory of `name`'s MQAR runs (mqar_runs.RUNS), once they have finished: the
-    early queue's, or run now when nothing queued them."""
-    queue = EARLY.get("mqar_queue")
+def _finished(name: str, tmp_path_factory) -> Path:
+    """The root directory of the queued job `name` (QUEUE_ORDER), once it has finished: the
+    early queue's, or run now when nothing queued it (a test run alone)."""
+    queue = EARLY.get("queue")
     if queue is not None and name in queue.jobs:
         root = EARLY[name]
     else:
         root = tmp_path_factory.mktemp(name)
-        queue = mqar_runs.Queue({name: mqar_runs.RUNS[name](root)}, START_ENV)
+        queue = background.Queue({name: _queued_commands(name, root)})
     status, err = queue.finished(name)
     assert status == 0, err
     return root
@@ -153,13 +195,31 @@ def _trained(name: str, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def mqar_task_runs(tmp_path_factory) -> Path:
     """tests/test_tasks.py's MQAR runs, trained (mqar_runs.task_runs)."""
-    return _trained("mqar_task_runs", tmp_path_factory)
+    return _finished("mqar_task_runs", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def hybrid_recall_run(tmp_path_factory) -> Path:
     """tests/test_hybrid_recall.py's 3:1 hybrid, trained on MQAR (mqar_runs.recall_runs)."""
-    return _trained("hybrid_recall_run", tmp_path_factory)
+    return _finished("hybrid_recall_run", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def compiled_hybrid_run(tiny_hybrid_export, tmp_path_factory) -> dict:
+    """tests/compiled_engines.py's result for the tiny hybrid in compile mode (vLLM's defaults:
+    each prompt prefilled in one piece)."""
+    EARLY.setdefault("tiny_hybrid_export", tiny_hybrid_export)
+    root = _finished("compiled_hybrid_run", tmp_path_factory)
+    return json.loads((root / "out.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def compiled_varlen_run(tiny_export, tmp_path_factory) -> dict:
+    """tests/compiled_engines.py's result for the tiny model in compile mode, its chunked
+    prefill forced to VARLEN_BUDGET tokens a step."""
+    EARLY.setdefault("tiny_export", tiny_export)
+    root = _finished("compiled_varlen_run", tmp_path_factory)
+    return json.loads((root / "out.json").read_text())
 
 
 @pytest.fixture(scope="session")
@@ -226,15 +286,15 @@ def _start_replica_server(folder: Path, state_dir: Path) -> Job:
     return Job(start_server(cmd, log_path, env, REPO), None, log_path, port)
 
 
-def _start_store_server(folder: Path, state_dir: Path) -> Job:
+def _start_store_server(folder: Path, state_dir: Path, log_name="store_server.log") -> Job:
     """One engine storing conversation states under `state_dir` (`--state-dir`), max-model-len
-    512, 4 sequences: tests/test_state_store.py stops it (SIGTERM) and goes on with the
-    conversation on the replica server."""
+    512, 4 sequences: tests/test_state_store.py stops it (SIGTERM; another one SIGKILL) and goes
+    on with the conversation on the replica server."""
     port = free_port()
     cmd = [sys.executable, "-m", "serve.vllm_adapter", "--model", str(folder), "--port", str(port)]
     cmd += ["--max-model-len", str(SERVER_MAX_LEN), "--max-num-seqs", "4"]
     cmd += ["--served-model-name", "laplace-tiny", "--state-dir", str(state_dir)]
-    log_path = folder.parent / "store_server.log"
+    log_path = folder.parent / log_name
     env = {**os.environ, **VLLM_ENV}
     return Job(start_server(cmd, log_path, env, REPO), None, log_path, port)
 
@@ -252,6 +312,20 @@ def store_server(tiny_export, state_dir):
     """`_start_store_server`'s server (started early when the run collects its test): its Job;
     the test that uses it stops it."""
     job = EARLY.pop("store_server", None) or _start_store_server(tiny_export[2], state_dir)
+    try:
+        wait_for_server(job.proc, job.port, job.log_path)
+        yield job
+    finally:
+        stop_server(job.proc)
+
+
+@pytest.fixture(scope="session")
+def killed_store_server(tiny_export, state_dir):
+    """Another of `_start_store_server`'s servers (started early when the run collects its
+    test), which the test kills with SIGKILL: its Job."""
+    job = EARLY.pop("killed_store_server", None) or _start_store_server(
+        tiny_export[2], state_dir, "killed_store_server.log"
+    )
     try:
         wait_for_server(job.proc, job.port, job.log_path)
         yield job

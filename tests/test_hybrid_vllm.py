@@ -4,7 +4,7 @@ layer on its state pages, the attention layer on vLLM's paged KV cache (docs/des
 Truth: the PyTorch model's greedy tokens (tests/test_hybrid_export.py holds those to JAX's).
 Two engines: eager with prefix caching, 64-token prefill chunks and a pool of 64 blocks (so
 long prompts are split and a batch of them cannot run at once), and compile mode with vLLM's
-defaults (a prompt prefilled in one piece).
+defaults (a prompt prefilled in one piece; tests/compiled_engines.py, in the background queue).
 """
 
 from __future__ import annotations
@@ -42,13 +42,6 @@ def eager(tiny_hybrid_export):
         num_gpu_blocks_override=BLOCKS,
         disable_log_stats=False,
     )
-    yield engine
-    del engine
-
-
-@pytest.fixture(scope="module")
-def compiled(tiny_hybrid_export):
-    engine = _engine(tiny_hybrid_export[2], compile=True)
     yield engine
     del engine
 
@@ -93,13 +86,18 @@ def test_greedy_equals_pytorch_in_64_token_prefill_chunks(eager, torch_model, ti
     assert [t for t, _ in got] == _reference(torch_model, prompts)
 
 
-def test_compile_mode_one_piece_equals_pytorch(compiled, torch_model, tiny_hybrid_export):
+def test_compile_mode_one_piece_equals_pytorch(
+    compiled_hybrid_run, torch_model, tiny_hybrid_export
+):
     """Compile mode, each prompt prefilled in one piece: the same tokens as PyTorch (and so as
-    the eager engine's 64-token pieces)."""
-    prompts = _prompts(0, (7, 19, 150, 300), tiny_hybrid_export[0].vocab_size)
-    assert compiled.llm_engine.vllm_config.model_config.enforce_eager is False
-    got = greedy_ids(compiled, prompts, N_NEW)
-    assert [t for t, _ in got] == _reference(torch_model, prompts)
+    the eager engine's 64-token pieces). The engine is built and run in a subprocess of the
+    background queue (tests/compiled_engines.py)."""
+    from compiled_engines import N_NEW as COMPILED_N_NEW
+    from compiled_engines import hybrid_calls
+
+    (prompts,) = hybrid_calls(tiny_hybrid_export[0].vocab_size)
+    assert compiled_hybrid_run["enforce_eager"] is False
+    assert compiled_hybrid_run["calls"] == [_reference(torch_model, prompts, COMPILED_N_NEW)]
 
 
 def test_a_prefix_cache_hit_continues_like_a_cold_run(eager, torch_model, tiny_hybrid_export):

@@ -1,9 +1,11 @@
 """The agents' state store (`--state-dir`, serve/state_store/): a conversation's state on disk.
 
-Two real servers on one folder (tests/shared_fixtures.py, both started early): the store server
+Three real servers on one folder (tests/shared_fixtures.py, all started early): the store server
 (one engine) serves a conversation's first 4 turns and is stopped with SIGTERM; the replica
 server (2 engines) goes on with it, turn 5 on replica 0 (the states of a stopped server), turn 6
-on replica 1 (a state replica 0 wrote). Each turn's greedy tokens are the PyTorch model's, and
+on replica 1 (a state replica 0 wrote); another store server is killed with SIGKILL right after
+a reply and the replica server goes on from its files. Each turn's greedy tokens are the PyTorch
+model's, and
 `usage.prompt_tokens_details.cached_tokens` is exactly the history up to its last block boundary.
 Then a corrupted and a truncated file: the request computes its prefix instead (from the state
 before), gives the same tokens, the file is removed with one warning line. The file format, a
@@ -150,6 +152,34 @@ def test_a_conversation_resumes_from_disk_after_a_stop_and_on_another_replica(
     warned = [line for line in log.splitlines() if "state store: removed" in line]
     assert len(warned) == 2, warned
     assert "checksum mismatch" in warned[0] and "truncated payload" in warned[1], warned
+
+
+def test_a_server_killed_with_sigkill_leaves_states_another_server_resumes(
+    killed_store_server, replica_server, state_dir, torch_model
+):
+    """A server killed with SIGKILL (its engine process too: no shutdown of any kind) right
+    after a reply, its file written or not: the next turn on another server resumes from the
+    newest whole state on disk (that reply's, or the turn's before) and gives the PyTorch
+    model's tokens; nothing half-written is read."""
+    from shared_fixtures import descendants
+
+    from serve.generation import greedy_generate
+
+    rng = np.random.default_rng(11)
+    base = f"http://127.0.0.1:{killed_store_server.port}"
+    before = state_files(state_dir)
+    prompt, reply, _ = turn(base, [], rng)
+    first = prompt + reply
+    wait_for_new_file(state_dir, before)
+    prompt, reply, cached = turn(base, first, rng)
+    assert cached == boundary(len(first))
+    second = prompt + reply
+    for pid in [*descendants(killed_store_server.proc.pid), killed_store_server.proc.pid]:
+        os.kill(pid, signal.SIGKILL)
+    assert killed_store_server.proc.wait(timeout=30) == -signal.SIGKILL
+    prompt, reply, cached = turn(replica_server.base, second, rng, rank=1)
+    assert cached in (boundary(len(second)), boundary(len(first))), cached
+    assert reply == greedy_generate(torch_model, [prompt], REPLY)[0]
 
 
 # ---- the file format, writers and faults, on real files without an engine -------------------

@@ -15,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from shared_fixtures import set_vllm_env
 
 from laplace_spec.config import PRESETS
 from serve.kernels import causal_conv, gla_chunked, gla_recurrent
@@ -95,46 +94,26 @@ def test_vllm_causal_conv_varlen_equals_per_sequence():
 
 # ---- engine level: vLLM's chunked prefill, continued across steps from the state pages --------
 
-N_NEW = 24
-BUDGET = 64  # max_num_batched_tokens: a 300-token prompt takes 5 steps
 
-
-@pytest.fixture(scope="module")
-def exported(tiny_export):
-    return tiny_export
-
-
-def test_vllm_compiled_small_chunked_prefill_matches_pytorch(exported):
+def test_vllm_compiled_small_chunked_prefill_matches_pytorch(tiny_export, compiled_varlen_run):
     """Prompts of 300, 1 (after a long one: a used page), 17, 150 and 90 tokens in one call with
     64 tokens a step: steps mix decodes, prompt ends, prompt starts and continued chunks; then
     a 1-token and a long prompt alone. Every sequence: the greedy tokens of
     `serve.generation.greedy_generate` (the normal engine's are checked in tests/test_vllm.py).
     The engine runs vLLM's compile mode (on CPU: traced once with a symbolic token count, then
-    inductor), so the compiled state op is held to the same tokens: the one engine of the suite
-    in compile mode (about 45 s to build on the project's 2-core CPU)."""
+    inductor), so the compiled state op is held to the same tokens; it is built and run in a
+    subprocess of the background queue (tests/compiled_engines.py: about a minute to build)."""
+    from compiled_engines import N_NEW, VARLEN_BUDGET, varlen_calls
+
     from serve.generation import greedy_generate
     from serve.modeling_laplace import LaplaceForCausalLM
-    from serve.vllm_adapter import generate, make_llm
 
-    cfg, _, folder = exported
-    rng = np.random.default_rng(5)
-    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (300, 1, 17, 150, 90)]
+    cfg, _, folder = tiny_export
+    calls = varlen_calls(cfg.vocab_size)
     model = LaplaceForCausalLM.from_exported(folder)
-    want = [greedy_generate(model, [p], N_NEW)[0] for p in prompts]
-    set_vllm_env()
-    # its own engine: the step budget (64 tokens) and compile mode are the engine's settings
-    llm = make_llm(
-        str(folder),
-        max_num_seqs=8,
-        compile=True,
-        max_num_batched_tokens=BUDGET,
-        enable_chunked_prefill=True,
-    )
-    try:
-        sched = llm.llm_engine.vllm_config.scheduler_config
-        assert sched.max_num_batched_tokens == BUDGET and sched.enable_chunked_prefill
-        assert [r["token_ids"] for r in generate(llm, prompts, N_NEW)] == want
-        for i in (1, 0):  # alone, after the batch: pages reused
-            assert generate(llm, [prompts[i]], N_NEW)[0]["token_ids"] == want[i]
-    finally:
-        del llm
+    want = {tuple(p): greedy_generate(model, [p], N_NEW)[0] for p in calls[0]}
+    run = compiled_varlen_run
+    assert run["enforce_eager"] is False
+    assert run["max_num_batched_tokens"] == VARLEN_BUDGET and run["enable_chunked_prefill"]
+    for prompts, got in zip(calls, run["calls"], strict=True):
+        assert got == [want[tuple(p)] for p in prompts]
