@@ -13,7 +13,7 @@ def test_suite() -> str:
     slowest = d["slowest"][0]
     return (
         f"`python -m bench.test_suite` (`bench/results/test_suite.json`) ran the command above on "
-        f"this project's {d['machine']['cores']}-core CPU machine: "
+        f"this project's {d['machine']['cores']}-core CPU machine ({d['machine']['cpu']}): "
         f"{h['tests_passed']} tests passed and {h['tests_skipped']} were skipped in "
         f"{minutes(h['wall_s'])}, against a budget of {minutes(d['budget_s'])}; the slowest "
         f"phase took {slowest['seconds']:.0f} s (`{slowest['test'].split('::')[-1]}`, its "
