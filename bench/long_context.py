@@ -5,10 +5,10 @@ same model trained at 64 tokens.
     python -m bench.long_context [--seq-len 4096] [--context 4] [--steps N] [--extend-steps N]
                                  [--queries Q] [--dense-steps N]
 
-All models are the retrieval benchmark's passkey Laplace (bench/retrieval.py: 2 layers, 4 heads,
-d_model 64, vocabulary 256, T_max 2,048, the tiny optimizer preset at lr 1e-2), trained by
-`python -m train.main --task passkey:...` in a subprocess that simulates `--context` CPU
-devices:
+All models are the retrieval benchmark's earlier passkey Laplace (bench/retrieval.py's model: 2
+layers, 4 heads, d_model 64, where bench.passkey's is 128; vocabulary 256, T_max 2,048, the tiny
+optimizer preset at lr 1e-2), trained by `python -m train.main --task passkey:...` in a
+subprocess that simulates `--context` CPU devices:
 
 - short: one device, 64-token sequences, 32 per step, `--steps` steps, the needle anywhere (the
   retrieval benchmark's run);
@@ -50,7 +50,8 @@ import time
 from pathlib import Path
 
 from bench.common import write_result
-from bench.retrieval import PASSKEY_DEPTHS, PASSKEY_LR, train_args
+from bench.passkey import DEPTHS, LR
+from bench.retrieval import train_args
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -66,7 +67,7 @@ def passkey_spec(seq_len: int, queries: int = 1) -> dict:
         "t_max": 2048.0,
         "seq_len": seq_len,
         "seed": 0,
-        "lr": PASSKEY_LR,
+        "lr": LR,
         "task": task,
     }
 
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
     mesh, one = f"fsdp=1,context={S}", "fsdp=1"
     eval_flags = ["--task", "passkey", "--mesh", mesh, "--n", "256"]
     eval_flags += ["--context-lens", ",".join(map(str, contexts))]
-    eval_flags += ["--depths", ",".join(map(str, PASSKEY_DEPTHS))]
+    eval_flags += ["--depths", ",".join(map(str, DEPTHS))]
     t0 = time.perf_counter()
     common = (eval_flags, S, print)
     long = (T, args.sequences)
@@ -207,7 +208,7 @@ def main(argv=None) -> int:
         headline,
         context=S,
         contexts=list(contexts),
-        depths=list(PASSKEY_DEPTHS),
+        depths=list(DEPTHS),
         queries=args.queries,
         elapsed_s=round(time.perf_counter() - t0, 1),
         models=models,

@@ -1,5 +1,5 @@
-"""Retrieval benchmark: tiny Laplace, softmax-attention and hybrid models trained on MQAR and
-passkey on this CPU, side by side (docs/design.md s9, s13).
+"""Retrieval benchmark: tiny Laplace, softmax-attention and hybrid models trained on MQAR on this
+CPU, side by side (docs/design.md s9, s13); the passkey study is bench.passkey's.
 
     python -m bench.retrieval [--quick] [--seeds N] [--steps N] [--work-dir DIR]
 
@@ -12,7 +12,7 @@ with `attention_every=4`, three GLA layers then attention (Qwen3-Next's and Kimi
 
 Models: 2 layers, 4 heads (d_v = d_model / 4, d_k = d_v / 2, as Laplace), FFN 2 x d_model,
 vocabulary 256 (MQAR: 127 keys, 128 values, so chance is 1/128), the tiny optimizer preset
-(Muon, cosine to 10%), 2,048 tokens per step, 1,000 steps. Three studies:
+(Muon, cosine to 10%), 2,048 tokens per step, 1,000 steps. Two studies:
 
 - mqar: each mixer, d_model 128, trained on MQAR (64, 4) and scored on zoology's small settings
   (seq_len, pairs) = (64, 4), (128, 8), (256, 16): the recall mechanism is learnt on the easy
@@ -24,11 +24,7 @@ vocabulary 256 (MQAR: 127 keys, 128 values, so chance is 1/128), the tiny optimi
   The whole sweep is kept, so the band of learning rates in which a mixer learns is visible;
 - state: seed 0, each mixer at its best learning rate: Laplace at (d_model, heads) = (128, 2),
   a GLA state per layer H x d_k x d_v of 4,096 values beside the 2,048 of (128, 4) (one more
-  state size, not more, so that the sweep and its three seeds fit about an hour here);
-- passkey: trained on 64-token contexts with the needle at a random depth, scored at contexts
-  of 64, 256, 1,024 and 4,096 tokens and depths 0 (the needle furthest from the question), 0.5
-  and 1: Laplace with its decay schedule's T_max = 2,048 and T_max = 64 (how far back a fixed
-  decay recalls), and attention (no positional encoding: it too meets lengths it never saw).
+  state size, not more, so that the sweep and its three seeds fit about an hour here).
 
 The vocabulary is 256, not zoology's 8,192, and runs are short (1,000 steps, 2M tokens), so that
 the whole benchmark fits in about an hour on a 2-core CPU; accuracies are what such short runs
@@ -39,8 +35,7 @@ laplace_jax and train sources) are the same; each row of the JSON says whether i
 from which run directory. `--fresh` retrains everything.
 
 Writes bench/results/retrieval.json (headline: mqar_acc_{laplace,attention,hybrid,hybrid4}_{64_4,
-128_8,256_16}, mqar_min_seed_{hybrid,hybrid4}_64_4 (the worst seed), passkey_acc_laplace_max_depth,
-passkey_acc_{hybrid,hybrid4}_4096_min: a hybrid's worst depth at 4,096 tokens) and
+128_8,256_16}, mqar_min_seed_{hybrid,hybrid4}_64_4 (the worst seed)) and
 bench/results/retrieval.png (`--quick`: retrieval_quick.json and .png).
 """
 
@@ -57,14 +52,12 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import write_result
+from bench.common import save_figure, write_result
 from laplace_spec.config import LaplaceConfig
 from train import eval as train_eval
 from train import main as train_main
 
 MQAR_SETTINGS = ((64, 4), (128, 8), (256, 16))
-PASSKEY_CONTEXTS = (64, 256, 1024, 4096)
-PASSKEY_DEPTHS = (0.0, 0.5, 1.0)
 MIXERS = ("gla", "attention", "hybrid", "hybrid4")
 LABEL = {"gla": "laplace", "attention": "attention", "hybrid": "hybrid", "hybrid4": "hybrid4"}
 # how each mixer is set: the hybrid is Laplace with its second layer softmax attention, hybrid4
@@ -80,7 +73,7 @@ MIXER_SETTINGS = {
 # 2026-12, AMD EPYC), 3e-3 was no mixer's best (Laplace 32.9% at (64, 4) against 64.6% at 1e-2,
 # attention 99.8% against 100.0%, the hybrid 68.7% against 69.1%); `--lrs` sweeps others
 LEARNING_RATES = (1e-2, 3e-2)
-PASSKEY_LR = 1e-2  # the tiny preset's
+TINY_LR = 1e-2  # the tiny preset's: `--quick`'s, bench.passkey's and bench.long_context's
 CODE = ("laplace_spec", "laplace_jax", "train")  # the packages whose sources key a reused run
 
 
@@ -217,6 +210,21 @@ def run_one(
     return {**result, "reused_from": None}
 
 
+def provenance(runs: list[dict], elapsed: float) -> dict:
+    """What a result file says of how its runs were made: the code version, the model defaults
+    they used (s13.5), this invocation's time, the runs' training and scoring time (each run
+    once) and the earlier runs reused."""
+    unique = {json.dumps(r, sort_keys=True): r for r in runs}.values()
+    return {
+        "code_version": code_version(),
+        "embed_scale": LaplaceConfig.embed_scale,
+        "gla_branch_scale": LaplaceConfig.gla_branch_scale,
+        "elapsed_s": round(elapsed, 1),
+        "train_and_eval_s": round(sum(r["train_s"] + r.get("eval_s", 0.0) for r in unique), 1),
+        "reused_runs": sorted({r["reused_from"] for r in unique if r["reused_from"]}),
+    }
+
+
 def mqar_spec(mixer, seed, lr, d_model=128, heads=4) -> dict:
     """A model trained on MQAR (64, 4)."""
     return {
@@ -246,7 +254,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     steps = args.steps
     seeds = 1 if args.quick else args.seeds
-    lrs = [PASSKEY_LR] if args.quick else [float(x) for x in args.lrs.split(",")]
+    lrs = [TINY_LR] if args.quick else [float(x) for x in args.lrs.split(",")]
     work = Path(args.work_dir)
     t_start = time.perf_counter()
     code_version()  # the sources as loaded now
@@ -277,44 +285,14 @@ def main(argv=None) -> int:
             state.append(run(mqar_spec(mixer, 0, best[mixer], d_model, heads), flags))
         state += [r for r in mqar if r["seed"] == 0 and r["lr"] == best[r["mixer"]]]
 
-    # 3. passkey by depth and context length: how far back the fixed decay recalls
-    print(f"passkey: trained at 64 tokens (random depth), lr {PASSKEY_LR:g}")
-    contexts = PASSKEY_CONTEXTS[:3] if args.quick else PASSKEY_CONTEXTS
-    flags = ["--task", "passkey", "--context-lens", ",".join(map(str, contexts))]
-    flags += ["--depths", ",".join(map(str, PASSKEY_DEPTHS))]
-    passkey = []
-    models = (
-        ("gla", 2048.0),
-        ("gla", 64.0),
-        ("attention", 2048.0),
-        ("hybrid", 2048.0),
-        ("hybrid4", 2048.0),
-    )
-    for mixer, t_max in models:
-        if args.quick and t_max == 64.0:
-            continue
-        spec = {
-            "mixer": mixer,
-            "d_model": 64,
-            "heads": 4,
-            "t_max": t_max,
-            "seq_len": 64,
-            "seed": 0,
-            "lr": PASSKEY_LR,
-            "task": "passkey:depth=-1",
-        }
-        passkey.append(run(spec, flags))
-
-    summary = summarise(sweep, best, state, passkey, contexts)
+    summary = summarise(sweep, best, state)
     elapsed = time.perf_counter() - t_start
-    runs = {"mqar": mqar, "state": state, "passkey": passkey}
-    unique = {json.dumps(r, sort_keys=True): r for rs in runs.values() for r in rs}.values()
-    compute = sum(r["train_s"] + r.get("eval_s", 0.0) for r in unique)
-    reused = sorted({r["reused_from"] for r in unique if r["reused_from"]})
+    runs = {"mqar": mqar, "state": state}
+    done = provenance([r for rs in runs.values() for r in rs], elapsed)
     print_tables(summary)
     print(
-        f"\n{elapsed / 60:.1f} minutes here; {compute / 60:.1f} minutes of training and scoring"
-        f" ({len(reused)} of {len(unique)} runs reused from earlier invocations)"
+        f"\n{elapsed / 60:.1f} minutes here; {done['train_and_eval_s'] / 60:.1f} minutes of "
+        f"training and scoring ({len(done['reused_runs'])} runs reused from earlier invocations)"
     )
     name = "retrieval_quick" if args.quick else "retrieval"  # quick never overwrites the full
     figure = plot(summary, Path(f"bench/results/{name}.png"))
@@ -325,24 +303,18 @@ def main(argv=None) -> int:
         steps=steps,
         seeds=seeds,
         learning_rates=lrs,
-        code_version=code_version(),
-        embed_scale=LaplaceConfig.embed_scale,  # the defaults the runs used (s13.5)
-        gla_branch_scale=LaplaceConfig.gla_branch_scale,
-        elapsed_s=round(elapsed, 1),
-        train_and_eval_s=round(compute, 1),
-        reused_runs=reused,
+        **done,
         mqar=summary["mqar"],
         mqar_sweep=summary["sweep"],
         state=summary["state"],
-        passkey=summary["passkey"],
         runs=runs,
         notes=(
             "2 layers, 4 heads (unless stated), vocab 256, 2,048 tokens per step, tiny optimizer "
             "preset with the learning rate swept, each model trained by train.main and scored by "
-            "train.eval on 256 fresh sequences per cell; MQAR accuracy per answer token, passkey "
-            "accuracy per sequence (all 5 digits right); mqar: per setting, the learning rate "
-            "with the best mean over the seeds; runs[...].reused_from names the run directory "
-            "of a row reused from an earlier invocation (null: trained by this one)"
+            "train.eval on 256 fresh sequences per cell; MQAR accuracy per answer token; mqar: per "
+            "setting, the learning rate with the best mean over the seeds; runs[...].reused_from "
+            "names the run directory of a row reused from an earlier invocation (null: trained "
+            "by this one)"
         ),
     )
     print(path, figure)
@@ -390,9 +362,9 @@ def cell_accuracy(run: dict, **match) -> float:
     return cells[0]["accuracy"]
 
 
-def summarise(sweep, best, state, passkey, contexts) -> dict:
+def summarise(sweep, best, state) -> dict:
     """The MQAR grid at each mixer's best learning rate (seeds, mean, spread), the state-size
-    points, the passkey grid."""
+    points."""
     table = []
     for T, P in MQAR_SETTINGS:
         row = {"seq_len": T, "num_pairs": P}
@@ -424,35 +396,14 @@ def summarise(sweep, best, state, passkey, contexts) -> dict:
         ),
         key=lambda p: (p["mixer"], p["state_per_layer"], p["d_model"]),
     )
-    pk = [
-        {
-            "mixer": LABEL[r["mixer"]],
-            "t_max": r["t_max"],
-            "cells": [
-                {"context": c["seq_len"], "depth": c["depth"], "accuracy": c["accuracy"]}
-                for c in r["cells"]
-            ],
-        }
-        for r in passkey
-    ]
     headline = {}
     for row in table:
         for mixer in LABEL.values():
             headline[f"mqar_acc_{mixer}_{row['seq_len']}_{row['num_pairs']}"] = round(row[mixer], 4)
-    laplace = next(p for p in pk if p["mixer"] == "laplace" and p["t_max"] == 2048.0)
-    deepest = max(contexts)  # the needle at depth 0 of the longest context: furthest back
-    headline["passkey_acc_laplace_max_depth"] = next(
-        c["accuracy"] for c in laplace["cells"] if c["context"] == deepest and c["depth"] == 0.0
-    )
     easiest = next(r for r in table if (r["seq_len"], r["num_pairs"]) == MQAR_SETTINGS[0])
     for name in ("hybrid", "hybrid4"):
         headline[f"mqar_min_seed_{name}_64_4"] = min(easiest[f"{name}_seeds"])  # the worst seed
-        run = next((p for p in pk if p["mixer"] == name), None)
-        if run is not None:  # its worst depth at the longest context
-            headline[f"passkey_acc_{name}_{deepest}_min"] = min(
-                c["accuracy"] for c in run["cells"] if c["context"] == deepest
-            )
-    return {"headline": headline, "mqar": table, "sweep": sweep, "state": points, "passkey": pk}
+    return {"headline": headline, "mqar": table, "sweep": sweep, "state": points}
 
 
 def print_tables(summary: dict) -> None:
@@ -485,10 +436,6 @@ def print_tables(summary: dict) -> None:
                 f"  {p['mixer']:9s} {p['d_model']:7d} {p['heads']:5d} "
                 f"{p['state_per_layer'] if p['mixer'] == 'laplace' else '-':>6}  {accs}"
             )
-    print("\npasskey accuracy by (context, depth)")
-    for p in summary["passkey"]:
-        cells = ", ".join(f"{c['context']}@{c['depth']:g}: {c['accuracy']:.0%}" for c in p["cells"])
-        print(f"  {p['mixer']:9s} T_max {p['t_max']:6g}: {cells}")
 
 
 def plot(summary: dict, path: Path) -> Path:
@@ -497,7 +444,7 @@ def plot(summary: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
     ax = axes[0]
     labels = [f"({r['seq_len']}, {r['num_pairs']})" for r in summary["mqar"]]
     x = range(len(labels))
@@ -531,25 +478,7 @@ def plot(summary: dict, path: Path) -> Path:
     ax.set_ylabel("MQAR accuracy")
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=8)
-    ax = axes[2]
-    for p in summary["passkey"]:
-        deep = sorted((c for c in p["cells"] if c["depth"] == 0.0), key=lambda c: c["context"])
-        ax.plot(
-            [c["context"] for c in deep],
-            [c["accuracy"] for c in deep],
-            "o-",
-            label=f"{p['mixer']} T_max {p['t_max']:g}",
-        )
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("passkey context (needle at depth 0)")
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 if __name__ == "__main__":
