@@ -1,14 +1,16 @@
-"""Probe a trained MQAR hybrid (docs/design.md s13.5): which layer does its recall.
+"""Probe a trained hybrid (docs/design.md s13.5): which layer does its recall.
 
     python -m bench.hybrid_probe RUN_DIR [RUN_DIR ...]
 
-For each run directory of bench.retrieval (`runs/bench-retrieval/<run>`, its checkpoint at the
-last step), on fresh MQAR sequences: the accuracy at (64, 4) and (128, 8) as trained, and with
-each layer's mixer output projection zeroed (that layer's whole mixer contribution removed, as
-tests/test_hybrid_recall.py does for the attention layer); then, at the first attention layer's
-input, the RMS of the scaled embedding and of what each layer before it adds, and the identity
-cosine of bench.hybrid_init (a key's pair position against where the key comes back as a query),
-here after training. Prints one block per run; writes nothing.
+For each run directory of bench.retrieval or bench.passkey (`runs/bench-retrieval/<run>`, its
+checkpoint at the last step), on fresh sequences of the task it was trained on: the accuracy as
+trained, and with each layer's mixer output projection zeroed (that layer's whole mixer
+contribution removed, as tests/test_hybrid_recall.py does for the attention layer). MQAR: at
+(64, 4) and (128, 8), then, at the first attention layer's input, the RMS of the scaled
+embedding and of what each layer before it adds, and the identity cosine of bench.hybrid_init (a
+key's pair position against where the key comes back as a query), here after training. Passkey:
+at 64 and 256 tokens, the needle at depth 0 and 1 (256 sequences a cell). Prints one block per
+run; writes nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +37,19 @@ def accuracy(score_tokens, params, seq_len: int, pairs: int) -> float:
     return counts["correct"] / counts["answers"]
 
 
+def passkey_accuracies(cfg, params, mesh) -> str:
+    """Passkey accuracy per sequence at (64 and 256 tokens, depth 0 and 1), as train.eval scores."""
+
+    def quiet(line: str) -> None:
+        pass
+
+    settings = {"vocab_size": VOCAB, "num_digits": 5, "queries": 1}
+    cells, _ = train_eval.eval_grid(
+        "passkey", cfg, params, settings, [64, 256], [0.0, 1.0], 256, None, 64, 0, quiet, mesh
+    )
+    return ", ".join(f"{c['accuracy']:.1%} at ({c['seq_len']}, {c['depth']:g})" for c in cells)
+
+
 def without_mixer(params, layer: str):
     """`params` with `layer`'s mixer output projection zeroed."""
     out = {**params[layer]["out"], "kernel": np.zeros_like(params[layer]["out"]["kernel"])}
@@ -48,9 +63,12 @@ def probe(run: Path) -> None:
     cfg, params, _ = train_eval.load_checkpoint(ckpt, step, mesh)
     params = jax.device_get(params)
     score_tokens = train_eval.make_scorer(cfg, mesh)
+    task = (train_eval.read_run_config(run).get("data") or {}).get("task", "mqar")
     print(f"{run.name}: layers {cfg.layer_mixers}, embedding x {cfg.embed_multiplier:.3g}")
 
     def accuracies(p) -> str:
+        if task == "passkey":
+            return passkey_accuracies(cfg, p, mesh)
         return ", ".join(f"{accuracy(score_tokens, p, *s):.1%} at {s}" for s in ((64, 4), (128, 8)))
 
     print("  as trained:", accuracies(params))
@@ -58,6 +76,8 @@ def probe(run: Path) -> None:
         print(
             f"  layer {i} ({mixer}) output zeroed:", accuracies(without_mixer(params, f"layer_{i}"))
         )
+    if task != "mqar":
+        return
     tokens, _ = mqar(64, 64, 4, VOCAB, seed=(0, 64, 4))
     tokens = tokens[:, :-1]
     xs = residual_parts(cfg, params, tokens)
@@ -69,7 +89,7 @@ def probe(run: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.hybrid_probe", description=__doc__)
-    ap.add_argument("runs", nargs="+", type=Path, help="bench.retrieval run directories")
+    ap.add_argument("runs", nargs="+", type=Path, help="run directories")
     for run in ap.parse_args(argv).runs:
         probe(run)
     return 0
