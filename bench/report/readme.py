@@ -30,7 +30,12 @@ def state_bytes() -> str:
 def headlines() -> str:
     serve, train, plan = load("serve"), load("train"), load("plan")
     muon, retrieval, suite = load("muon"), load("retrieval"), load("test_suite")
+    passkey = load("passkey")
     r, ph, rh = serve["ratios"], plan["headline"], retrieval["headline"]
+    found = " / ".join(
+        pct(passkey["headline"][f"passkey_acc_{m}_4096_min"])
+        for m in ("laplace", "hybrid", "hybrid4", "attention")
+    )
     recall = " / ".join(pct(rh[f"mqar_acc_{m}_128_8"]) for m in ("laplace", "hybrid4", "attention"))
     hybrid4 = "3:1 hybrid" if "gla_branch_scale" in retrieval else "3:1 hybrid (before its scale)"
     rows = [
@@ -66,6 +71,12 @@ def headlines() -> str:
             f"(mean of {retrieval['seeds']} seeds)",
             f"**{recall}**",
             "[Retrieval](docs/retrieval.md)",
+        ],
+        [
+            "passkey at 4,096 tokens after training at 64, tiny models, the worst depth and "
+            f"seed of {passkey['seeds']}: Laplace (one seed) / hybrid / 3:1 hybrid / attention",
+            f"**{found}**",
+            "[Retrieval: passkey](docs/retrieval.md#passkey)",
         ],
         [
             "the test suite on a 2-core CPU",

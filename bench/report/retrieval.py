@@ -95,28 +95,52 @@ def retrieval_state() -> str:
         )
     head = ["model (trained on (64, 4), seed 0)", "lr", "GLA state per layer"]
     head += ["(64, 4)", "(128, 8)", "(256, 16)"]
-    return table(head, rows)
+    return table(head, rows) + "\n\n" + runs_took(d)
+
+
+def runs_took(d: dict) -> str:
+    """How long a benchmark's runs took, and how many were reused."""
+    groups = d["runs"].values() if isinstance(d["runs"], dict) else [d["runs"]]
+    runs = {json.dumps(r, sort_keys=True) for rs in groups for r in rs}
+    old = ""  # retrieval.json written before bench.passkey held the passkey study
+    if isinstance(d["runs"], dict) and "passkey" in d["runs"]:
+        old = f" ({len(d['runs']['passkey'])} of them its d_model 64 passkey study, since replaced)"
+    return (
+        f"Training and scoring took {minutes(d['train_and_eval_s'])} in all on this "
+        f"project's {d['machine']['cores']}-core CPU machine ({d['machine']['cpu']}), for "
+        f"{len(runs)} runs{old}; {len(d['reused_runs'])} of them were trained by an earlier "
+        f"invocation of the same code and arguments and reused (`reused_from` in the JSON), the "
+        f"last invocation took {minutes(d['elapsed_s'])}."
+    )
 
 
 def retrieval_passkey() -> str:
-    d = load("retrieval")
+    d = load("passkey")
     contexts = sorted({c["context"] for c in d["passkey"][0]["cells"]})
+    order = ("hybrid", "hybrid4", "attention", "laplace")  # each model's seeds together
     rows = []
-    for p in d["passkey"]:
-        row = [f"{p['mixer']}, T_max {p['t_max']:,.0f}"]
+    for p in sorted(d["passkey"], key=lambda p: (order.index(p["mixer"]), -p["t_max"], p["seed"])):
+        row = [f"{p['mixer']}, T_max {p['t_max']:,.0f}, seed {p['seed']}"]
         for T in contexts:
             accs = sorted((c for c in p["cells"] if c["context"] == T), key=lambda c: c["depth"])
-            row.append(" / ".join(pct(c["accuracy"], 0) for c in accs))
+            row.append(" / ".join(pct(c["accuracy"]) for c in accs))
         rows.append(row)
-    head = ["passkey (trained at 64 tokens)"]
+    head = [f"passkey (d_model {d['d_model']}, trained at 64 tokens)"]
     head += [f"{T:,} tokens: depth 0 / 0.5 / 1" for T in contexts]
-    runs = {json.dumps(r, sort_keys=True) for rs in d["runs"].values() for r in rs}
-    return table(head, rows) + (
-        f"\n\nTraining and scoring took {minutes(d['train_and_eval_s'])} in all on this "
-        f"project's {d['machine']['cores']}-core CPU machine, for {len(runs)} runs; "
-        f"{len(d['reused_runs'])} of them were trained by an earlier invocation of the same "
-        f"code and arguments and reused (`reused_from` in the JSON), the last invocation took "
-        f"{minutes(d['elapsed_s'])}."
+    worst = "; ".join(
+        name
+        + " "
+        + " / ".join(
+            pct(min(c["accuracy"] for c in p["cells"]))
+            for p in sorted(d["passkey"], key=lambda p: p["seed"])
+            if p["mixer"] == name
+        )
+        for name in ("hybrid", "hybrid4", "attention")
+    )
+    return (
+        table(head, rows)
+        + f"\n\nThe worst cell of each seed (0 / 1 / 2), at any context and depth: {worst}.\n\n"
+        + runs_took(d)
     )
 
 
