@@ -76,8 +76,8 @@ def summarise(runs: list[dict]) -> dict:
     headline = {}
     longest = max(CONTEXTS)
     for mixer in ("gla", *SEEDED):  # Laplace: its T_max 2,048 run
-        runs = [r for r in rows if r["mixer"] == LABEL[mixer] and r["t_max"] == 2048.0]
-        cells = [c for r in runs for c in r["cells"]]
+        seeds = [r for r in rows if r["mixer"] == LABEL[mixer] and r["t_max"] == 2048.0]
+        cells = [c for r in seeds for c in r["cells"]]
         if mixer != "gla":
             headline[f"passkey_min_cell_{LABEL[mixer]}"] = min(c["accuracy"] for c in cells)
         headline[f"passkey_acc_{LABEL[mixer]}_{longest}_min"] = min(

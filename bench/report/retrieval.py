@@ -127,19 +127,18 @@ def retrieval_passkey() -> str:
         rows.append(row)
     head = [f"passkey (d_model {d['d_model']}, trained at 64 tokens)"]
     head += [f"{T:,} tokens: depth 0 / 0.5 / 1" for T in contexts]
-    worst = "; ".join(
-        name
-        + " "
-        + " / ".join(
-            pct(min(c["accuracy"] for c in p["cells"]))
-            for p in sorted(d["passkey"], key=lambda p: p["seed"])
-            if p["mixer"] == name
+    worst = []  # per model, the worst cell of each seed
+    for name in ("hybrid", "hybrid4", "attention"):
+        seeds = sorted((p for p in d["passkey"] if p["mixer"] == name), key=lambda p: p["seed"])
+        worst.append(
+            name + " " + " / ".join(pct(min(c["accuracy"] for c in p["cells"])) for p in seeds)
         )
-        for name in ("hybrid", "hybrid4", "attention")
-    )
+    labels = " / ".join(str(seed) for seed in range(d["seeds"]))
     return (
         table(head, rows)
-        + f"\n\nThe worst cell of each seed (0 / 1 / 2), at any context and depth: {worst}.\n\n"
+        + f"\n\nThe worst cell of each seed ({labels}), at any context and depth: "
+        + "; ".join(worst)
+        + ".\n\n"
         + runs_took(d)
     )
 
