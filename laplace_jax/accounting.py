@@ -40,19 +40,32 @@ def gla_flops_per_token(config: LaplaceConfig) -> int:
     return config.n_gla_layers * config.n_heads * per_head
 
 
-def attention_flops_per_token(config: LaplaceConfig) -> int:
+def attention_share(form: str, context: int) -> float:
+    """The share of the whole T x T square of scores an attention layer computes: all of it on
+    one device and in the gather form (every device scores every key block, masking the future
+    ones); in the ring form over S > 1 slices (laplace_jax/attention_ring.py) each device scores
+    (2 S + 1) pairs of half slices, (2 S + 1) / (4 S) of the square (the causal half and one
+    diagonal's worth)."""
+    if form == "ring" and context > 1:
+        return (2 * context + 1) / (4 * context)
+    return 1.0
+
+
+def attention_flops_per_token(config: LaplaceConfig, share: float = 1.0) -> float:
     """Forward FLOPs per token of softmax attention, all attention layers (every layer of the
     `token_mixer="attention"` baseline, a hybrid's attention layers).
 
-    Per head and token: q K^T and P V over the whole square (2 T d_k + 2 T d_v at T = seq_len),
-    as FlashAttention's count does; the causal half is not subtracted.
+    Per head and token: q K^T and P V over `share` of the whole square (2 T d_k + 2 T d_v at
+    T = seq_len, times `share`: `attention_share`); share 1 is FlashAttention's count, the
+    causal half not subtracted.
     """
     T, dk, dv = config.seq_len, config.d_k, config.d_v
-    return config.n_attention_layers * config.n_heads * 2 * T * (dk + dv)
+    return config.n_attention_layers * config.n_heads * 2 * T * (dk + dv) * share
 
 
-def training_flops_per_token(config: LaplaceConfig) -> int:
+def training_flops_per_token(config: LaplaceConfig, attention: float = 1.0) -> float:
     """Model FLOPs of one training token: 6 x parameters (the write-up's count) + 3 x the token
-    mixers' terms (the GLA layers' and the attention layers')."""
-    mixers = gla_flops_per_token(config) + attention_flops_per_token(config)
+    mixers' terms (the GLA layers' and the attention layers', `attention` the share of the
+    square the attention computes: `attention_share`)."""
+    mixers = gla_flops_per_token(config) + attention_flops_per_token(config, attention)
     return 6 * parameter_counts(config)["total_params"] + 3 * mixers

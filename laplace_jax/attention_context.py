@@ -37,7 +37,7 @@ _NEG = -1e30  # a finite "minus infinity": exp(_NEG - m) is 0, and _NEG - _NEG i
 _NO_POSITION = jnp.iinfo(jnp.int32).max  # padding keys: after every query, never attended
 
 
-def _padded(k, v, k_pos, k_doc, block: int):
+def padded_keys(k, v, k_pos, k_doc, block: int):
     """Keys padded to whole blocks of `block`: the padding keys have no position (after every
     query) and no document, so no query attends to them. Returns the four and the block count."""
     Tk = k.shape[1]
@@ -85,10 +85,20 @@ def blockwise_attention(q, k, v, q_pos, k_pos, q_doc, k_doc, scale: float, block
     return _forward(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, block)[0]
 
 
-def _forward(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, block):
-    b, Tq, H, _ = q.shape
-    qh = q.transpose(0, 2, 1, 3).astype(f32) * scale  # [b, H, T_q, K]
-    *keys, nb = _padded(k, v, k_pos, k_doc, block)  # keys: the padded k, v, k_pos, k_doc
+def empty_stats(b: int, H: int, Tq: int, V: int):
+    """The online softmax's running (maximum m, denominator, unnormalised output) before any key:
+    [b, H, T_q], [b, H, T_q], [b, H, T_q, V] fp32."""
+    return (
+        jnp.full((b, H, Tq), _NEG, f32),
+        jnp.zeros((b, H, Tq), f32),
+        jnp.zeros((b, H, Tq, V), f32),
+    )
+
+
+def softmax_blocks(stats, qh, q_pos, q_doc, keys, nb: int, block: int):
+    """The online softmax of queries qh [b, H, T_q, K] (fp32, scale applied) over the padded
+    keys (`padded_keys`'s k, v, k_pos, k_doc, nb blocks), from the running `stats` (`empty_stats`);
+    returns them after the last block."""
 
     def one_block(carry, j):  # the online softmax over block j of the keys
         m, denom, acc = carry  # [b, H, T_q], [b, H, T_q], [b, H, T_q, V]
@@ -101,13 +111,46 @@ def _forward(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, block):
         acc = alpha[..., None] * acc + jnp.einsum("bhts,bshv->bhtv", p, vj.astype(f32))
         return (m_new, denom, acc), None
 
-    V = v.shape[-1]
+    stats, _ = jax.lax.scan(one_block, stats, jnp.arange(nb))
+    return stats
+
+
+def gradient_blocks(qh, doh, lse, delta, q_pos, q_doc, keys, nb: int, block: int, dtype):
+    """The backward of `softmax_blocks` for queries qh [b, H, T_q, K] (fp32, scale applied) over
+    the padded keys: dO [b, H, T_q, V], the forward's log-sum-exp and delta = sum_v dO o, both
+    [b, H, T_q]. Returns dQ [b, H, T_q, K] fp32 without the scale (the caller applies it) and
+    the padded keys' dK [b, nb blk, H, K], dV [b, nb blk, H, V] in `dtype`."""
+
+    def one_block(carry, j):  # block j's dK, dV whole (every query at once), dQ summed
+        dq, dk, dv = carry
+        kj, vj, pj, dj = _key_block(*keys, j, block)
+        s, allowed = _scores(qh, kj, q_pos, q_doc, pj, dj)
+        p = jnp.where(allowed, jnp.exp(s - lse[..., None]), 0.0)  # the forward's softmax
+        dvj = jnp.einsum("bhts,bhtv->bshv", p, doh)  # [b, blk, H, V]
+        dp = jnp.einsum("bhtv,bshv->bhts", doh, vj.astype(f32))
+        ds = p * (dp - delta[..., None])  # the softmax's backward, [b, H, T_q, blk]
+        dq = dq + jnp.einsum("bhts,bshk->bhtk", ds, kj.astype(f32))
+        dkj = jnp.einsum("bhts,bhtk->bshk", ds, qh)  # [b, blk, H, K] (qh carries the scale)
+        dk = jax.lax.dynamic_update_slice_in_dim(dk, dkj.astype(dtype), j * block, axis=1)
+        dv = jax.lax.dynamic_update_slice_in_dim(dv, dvj.astype(dtype), j * block, axis=1)
+        return (dq, dk, dv), None
+
+    k, v = keys[0], keys[1]
     init = (
-        jnp.full((b, H, Tq), _NEG, f32),
-        jnp.zeros((b, H, Tq), f32),
-        jnp.zeros((b, H, Tq, V), f32),
+        jnp.zeros((*qh.shape[:3], k.shape[-1]), f32),
+        jnp.zeros(k.shape, dtype),
+        jnp.zeros(v.shape, dtype),
     )
-    (m, denom, acc), _ = jax.lax.scan(one_block, init, jnp.arange(nb))
+    (dq, dk, dv), _ = jax.lax.scan(one_block, init, jnp.arange(nb))
+    return dq, dk, dv
+
+
+def _forward(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, block):
+    b, Tq, H, _ = q.shape
+    qh = q.transpose(0, 2, 1, 3).astype(f32) * scale  # [b, H, T_q, K]
+    *keys, nb = padded_keys(k, v, k_pos, k_doc, block)  # keys: the padded k, v, k_pos, k_doc
+    stats = empty_stats(b, H, Tq, v.shape[-1])
+    m, denom, acc = softmax_blocks(stats, qh, q_pos, q_doc, keys, nb, block)
     o = (acc / denom[..., None]).transpose(0, 2, 1, 3)  # [b, T_q, H, V]
     lse = m + jnp.log(denom)  # [b, H, T_q]: log sum_s exp(s_ts), what the backward recomputes with
     return o, (q, k, v, q_pos, k_pos, q_doc, k_doc, o, lse)
@@ -115,31 +158,14 @@ def _forward(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, block):
 
 def _backward(scale, block, res, do):  # do: [b, T_q, H, V] fp32
     q, k, v, q_pos, k_pos, q_doc, k_doc, o, lse = res
-    b, Tq, H, K = q.shape
     Tk = k.shape[1]
     qh = q.transpose(0, 2, 1, 3).astype(f32) * scale  # [b, H, T_q, K]
     doh = do.astype(f32).transpose(0, 2, 1, 3)  # [b, H, T_q, V]
     delta = jnp.sum(doh * o.transpose(0, 2, 1, 3), -1)  # [b, H, T_q]: sum_v dO o = sum_s P dP
-    *keys, nb = _padded(k, v, k_pos, k_doc, block)  # keys: the padded k, v, k_pos, k_doc
-
-    def one_block(carry, j):  # block j's dK, dV whole (every query at once), dQ summed
-        dq, dk, dv = carry  # [b, H, T_q, K] fp32; dK, dV [b, nb blk, H, K|V] in the keys' dtype
-        kj, vj, pj, dj = _key_block(*keys, j, block)
-        s, allowed = _scores(qh, kj, q_pos, q_doc, pj, dj)
-        p = jnp.where(allowed, jnp.exp(s - lse[..., None]), 0.0)  # the forward's softmax
-        dvj = jnp.einsum("bhts,bhtv->bshv", p, doh)  # [b, blk, H, V]
-        dp = jnp.einsum("bhtv,bshv->bhts", doh, vj.astype(f32))
-        ds = p * (dp - delta[..., None])  # the softmax's backward, [b, H, T_q, blk]
-        dq = dq + jnp.einsum("bhts,bshk->bhtk", ds, kj.astype(f32)) * scale
-        dkj = jnp.einsum("bhts,bhtk->bshk", ds, qh)  # [b, blk, H, K] (qh carries the scale)
-        dk = jax.lax.dynamic_update_slice_in_dim(dk, dkj.astype(dk.dtype), j * block, axis=1)
-        dv = jax.lax.dynamic_update_slice_in_dim(dv, dvj.astype(dv.dtype), j * block, axis=1)
-        return (dq, dk, dv), None
-
-    init = (jnp.zeros((b, H, Tq, K), f32), jnp.zeros_like(keys[0]), jnp.zeros_like(keys[1]))
-    (dq, dk, dv), _ = jax.lax.scan(one_block, init, jnp.arange(nb))
+    *keys, nb = padded_keys(k, v, k_pos, k_doc, block)  # keys: the padded k, v, k_pos, k_doc
+    dq, dk, dv = gradient_blocks(qh, doh, lse, delta, q_pos, q_doc, keys, nb, block, k.dtype)
     return (
-        dq.transpose(0, 2, 1, 3).astype(q.dtype),
+        (dq * scale).transpose(0, 2, 1, 3).astype(q.dtype),
         dk[:, :Tk],
         dv[:, :Tk],
         None,  # positions and document ids: integers, no cotangent
