@@ -111,11 +111,18 @@ def split_dim(spec: PartitionSpec) -> tuple[int | None, str | tuple[str, ...] | 
     return None, None
 
 
-def _check_slices(cfg, T: int, context: int) -> None:
+def _check_slices(cfg, T: int, context: int, attention_context: str = "gather") -> None:
     if T % context:
         raise ValueError(
             f"a sequence of {T} positions cannot be cut into context={context} equal slices: "
             "seq_len must be a multiple of the context axis"
+        )
+    ring = context > 1 and attention_context == "ring" and "attention" in cfg.layer_mixers
+    if ring and (T // context) % 2:
+        raise ValueError(
+            f"ring attention cuts each slice into two halves: slices of {T // context} tokens "
+            f"(seq_len {T} over context={context}) must be even; seq_len must be a multiple of "
+            f"2 x context, or set attention_context=gather"
         )
     if T // context < cfg.conv_width:
         raise ValueError(
@@ -155,9 +162,11 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
     # layer's mixer.
     k = cfg.block_size
     axis = CONTEXT if context > 1 else None
-    first, last = DecoderLayer(cfg, model.unroll, axis, cfg.layer_mixers[0]), None
+    layer_kw = {"unroll": model.unroll, "context_axis": axis}
+    layer_kw["attention_context"] = model.attention_context
+    first, last = DecoderLayer(cfg, mixer=cfg.layer_mixers[0], **layer_kw), None
     if k > 1:
-        last = DecoderLayer(cfg, model.unroll, axis, cfg.layer_mixers[k - 1])
+        last = DecoderLayer(cfg, mixer=cfg.layer_mixers[k - 1], **layer_kw)
 
     def layer(decoder_layer, x, shards, reset=None, decays=None):  # x: [b, T, D]; its shards
         weights = {p: gather_weight(shards[p], *layer_args[p]) for p in layer_args}
@@ -211,8 +220,9 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
     return forward
 
 
-def _check_tokens(cfg, mesh: Mesh, tokens) -> None:
-    _check_slices(cfg, tokens.shape[1] - 1, mesh.shape.get(CONTEXT, 1))
+def _check_tokens(model: LaplaceLM, mesh: Mesh, tokens) -> None:
+    context = mesh.shape.get(CONTEXT, 1)
+    _check_slices(model.config, tokens.shape[1] - 1, context, model.attention_context)
 
 
 def make_sharded_loss(
@@ -261,7 +271,7 @@ def make_sharded_loss(
     def sharded_loss(params, tokens, mask=None):
         """`mask` [M, T] bool (optional): the loss is sum(ce * mask) / sum(mask) over the whole
         micro-batch (e.g. the answer positions of train/tasks.py); None: every target counts."""
-        _check_tokens(model.config, mesh, tokens)
+        _check_tokens(model, mesh, tokens)
         n_targets = jnp.asarray(tokens.shape[0] * (tokens.shape[1] - 1), f32)  # M T targets
         fn = jax.shard_map(
             body,
@@ -294,7 +304,7 @@ def make_token_scores(model: LaplaceLM, mesh: Mesh, param_specs, eot_id: int | N
     flat_specs = traverse_util.flatten_dict(param_specs, sep="/")
 
     def scores(params, tokens):
-        _check_tokens(model.config, mesh, tokens)
+        _check_tokens(model, mesh, tokens)
         fn = jax.shard_map(
             lambda shards, t: forward(shards, t, token_scores),
             mesh=mesh,

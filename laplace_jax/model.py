@@ -35,6 +35,7 @@ import numpy as np
 
 from laplace_jax.attention import causal_attention
 from laplace_jax.attention_context import attention_context_parallel
+from laplace_jax.attention_ring import attention_ring_parallel
 from laplace_jax.context_parallel import gla_context_parallel, window_from_previous_slice
 from laplace_jax.gla import gla_chunked, gla_step
 from laplace_spec.config import LaplaceConfig
@@ -141,6 +142,13 @@ class HeadRMSNorm(nn.Module):
         return o * jnp.repeat(gamma, self.heads_per_tier, axis=0)  # tiers of contiguous heads
 
 
+# How an attention layer reaches the earlier slices' keys on a context axis (docs/design.md
+# s13.3), and the default: the ring, which bench.plan measures smaller than the gather form at
+# every length it compiles (bench/results/plan.json's `attention_context_default`)
+ATTENTION_CONTEXT_FORMS = {"ring": attention_ring_parallel, "gather": attention_context_parallel}
+ATTENTION_CONTEXT = "ring"
+
+
 class DecoderLayer(nn.Module):
     """One Laplace layer; the numbered steps are those of docs/design.md section 2."""
 
@@ -154,6 +162,9 @@ class DecoderLayer(nn.Module):
     # Step 4 of this layer, "gla" or "attention" (config.layer_mixers[i] for layer i); None: the
     # config's token_mixer (every layer alike).
     mixer: str | None = None
+    # An attention layer on a context axis: "ring" (laplace_jax/attention_ring.py) or "gather"
+    # (laplace_jax/attention_context.py), docs/design.md s13.3
+    attention_context: str = ATTENTION_CONTEXT
 
     @nn.compact
     def __call__(self, x, state, decode: bool = False, reset=None, decays=None):
@@ -195,7 +206,8 @@ class DecoderLayer(nn.Module):
                     "state to decode from: the JAX model runs it on full sequences only"
                 )
             if sliced:
-                o = attention_context_parallel(q, k, v, reset, self.context_axis, cfg.qk_scale)
+                across = ATTENTION_CONTEXT_FORMS[self.attention_context]
+                o = across(q, k, v, reset, self.context_axis, cfg.qk_scale)  # [B, T, H, dv]
             else:
                 o = causal_attention(q, k, v, reset, cfg.qk_scale)  # [B, T, H, dv]
             gla_state = state["gla"]  # keeps no state
@@ -258,6 +270,9 @@ class LaplaceLM(nn.Module):
 
     config: LaplaceConfig
     unroll: bool = False
+    # how the attention layers reach across a context axis (laplace_jax/fsdp.py's scan builds
+    # those layers; this model's own run whole sequences)
+    attention_context: str = ATTENTION_CONTEXT
 
     def setup(self):
         cfg = self.config

@@ -144,3 +144,19 @@ def test_an_odd_slice_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"slice length \(9 tokens\) must be even"):
         on_context(f, 2, 4)(x, x, x, jnp.zeros((1, 18), bool))
 
+
+def test_an_odd_slice_is_a_config_error_unless_the_run_needs_no_ring():
+    """`train.main`'s batch layout refuses slices of an odd length for a hybrid's ring (one
+    line, exit 2), and takes them for the gather form and for pure Laplace."""
+    from laplace_spec.config import ConfigError
+    from train.config import TrainConfig, batch_layout
+
+    ring, gather = (
+        TrainConfig(global_batch_tokens=640),
+        TrainConfig(global_batch_tokens=640, attention_context="gather"),
+    )
+    with pytest.raises(ConfigError, match=r"slices of 5 tokens .* attention_context=gather"):
+        batch_layout(ring, 80, 16, context=16, attention=True)
+    assert batch_layout(gather, 80, 16, context=16, attention=True) == (8, 1, 8)
+    assert batch_layout(ring, 80, 16, context=16) == (8, 1, 8)  # no attention layer
+

@@ -54,9 +54,12 @@ def plain_value_and_grad(cfg, params, tokens, mask=None):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-def context_value_and_grad(cfg, params, tokens, mask, data, context, remat="layer"):
+def context_value_and_grad(
+    cfg, params, tokens, mask, data, context, remat="layer", attention_context="ring"
+):
     mesh = make_mesh(8, data=data, context=context)
-    fn = make_loss_and_grad(LaplaceLM(cfg), mesh, param_specs(cfg, mesh), remat, eot_id=EOT)
+    model = LaplaceLM(cfg, attention_context=attention_context)
+    fn = make_loss_and_grad(model, mesh, param_specs(cfg, mesh), remat, eot_id=EOT)
     placed = jax.device_put(params, param_shardings(cfg, mesh))
     return jax.jit(fn)(placed, tokens, mask), mesh
 
@@ -74,13 +77,18 @@ def max_rel(a, b):
     return max(jax.tree.leaves(rel))
 
 
-def assert_equals_the_single_device_model(cfg, batch, data, context, masked):
+def assert_equals_the_single_device_model(
+    cfg, batch, data, context, masked, attention_context="ring"
+):
     """The sharded loss (1e-6) and gradients (GRAD_TOL) of `cfg` on a data x fsdp x context mesh
-    against the plain model's on one device; returns (gradients, mesh)."""
+    (a hybrid's attention layers in the form `attention_context`) against the plain model's on
+    one device; returns (gradients, mesh)."""
     tokens, mask, params = batch
     mask = mask if masked else None
     ref_loss, ref_grads = plain_value_and_grad(cfg, params, tokens, mask)
-    (loss, grads), mesh = context_value_and_grad(cfg, params, tokens, mask, data, context)
+    (loss, grads), mesh = context_value_and_grad(
+        cfg, params, tokens, mask, data, context, attention_context=attention_context
+    )
     assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
     assert max_rel(grads, ref_grads) < GRAD_TOL
     return grads, mesh

@@ -152,26 +152,43 @@ def test_the_hybrid_is_its_gla_and_attention_layers_in_order(batch):
 
 
 @pytest.mark.parametrize(
-    "data,context,masked",
-    [(1, 1, False), (1, 4, True), (2, 2, True)],
-    ids=["fsdp8", "context4-masked", "2x2x2-masked"],
+    "form,data,context,masked",
+    [
+        ("ring", 1, 1, False),
+        ("ring", 1, 2, False),
+        ("ring", 1, 4, True),
+        ("ring", 1, 8, False),
+        ("ring", 2, 2, True),
+        ("gather", 1, 4, True),
+    ],
+    ids=[
+        "fsdp8",
+        "ring-context2",
+        "ring-context4-masked",
+        "ring-context8",
+        "ring-2x2x2-masked",
+        "gather-context4-masked",
+    ],
 )
 def test_hybrid_block_scan_and_context_parallel_equal_the_single_device_model(
-    batch, data, context, masked
+    batch, form, data, context, masked
 ):
     """FSDP's scan over blocks of (gla, attention), each layer its own remat checkpoint, on
-    fsdp=8, context=4 and a 2 x 2 x 2 mesh: the one-device loss (1e-6) and gradients."""
-    assert_equals_the_single_device_model(HYBRID, batch, data, context, masked)
+    fsdp=8, on context=2, 4 and 8 and a 2 x 2 x 2 mesh with the ring (documents starting at a
+    slice's first token for every S, one token long, across slice edges), and on context=4 with
+    the gather form: the one-device loss (1e-6) and gradients."""
+    assert_equals_the_single_device_model(HYBRID, batch, data, context, masked, form)
 
 
-HYBRID_RUN = ["--config", "tiny", "attention_every=2", "--mesh", "fsdp=2,context=4"]
+HYBRID_RUN = ["--config", "tiny", "attention_every=2", "--mesh", "data=2,fsdp=1,context=4"]
 
 
 @pytest.fixture(scope="module")
 def hybrid_runs(tmp_path_factory):
-    """tiny with attention_every=2 (a GLA layer, then an attention layer) on fsdp=2,context=4:
-    8 steps straight ("whole"), and 4 steps then a rerun to 8 from the step-4 checkpoint
-    ("split"), checkpoints every 4 steps. Returns (whole, split, the data folder)."""
+    """tiny with attention_every=2 (a GLA layer, then an attention layer, a ring over the 4
+    devices of the context axis) on data=2,fsdp=1,context=4: 8 steps straight ("whole"), and 4
+    steps then a rerun to 8 from the step-4 checkpoint ("split"), checkpoints every 4 steps.
+    Returns (whole, split, the data folder)."""
     from train.data import write_shard
 
     d = tmp_path_factory.mktemp("hybrid_runs")
@@ -189,13 +206,31 @@ def hybrid_runs(tmp_path_factory):
     return d / "whole", d / "split", d
 
 
-def test_a_hybrid_train_main_run_resumes_bit_identically(hybrid_runs):
+def losses(run_dir) -> dict[int, float]:
     import json
 
-    def losses(run_dir):
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        return {m["step"]: m["loss"] for m in map(json.loads, lines) if "loss" in m}
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {m["step"]: m["loss"] for m in map(json.loads, lines) if "loss" in m}
 
+
+def test_a_ring_run_on_data_2_context_4_logs_the_one_device_losses_and_sample(tmp_path, capsys):
+    """`train.main --mesh data=2,fsdp=1,context=4` of the tiny hybrid on the embedded corpus
+    (its attention layers a ring over 4 devices) logs the losses of the same run on one device
+    (1e-5: the reduction order differs) and ends with the same greedy sample."""
+    from test_context_training import _sample, _train
+
+    steps = ["attention_every=2", "--steps", "4", "--ckpt-every", "4", "eval_every=0"]
+    capsys.readouterr()
+    ring = _train(tmp_path / "ring", "--mesh", "data=2,fsdp=1,context=4", *steps)
+    sample = _sample(capsys.readouterr().out)
+    one = _train(tmp_path / "one", "--mesh", "fsdp=1", *steps)
+    assert _sample(capsys.readouterr().out) == sample
+    assert sorted(ring) == sorted(one) == [1, 2, 3, 4]
+    np.testing.assert_allclose([ring[s] for s in ring], [one[s] for s in ring], rtol=1e-5)
+    assert abs(ring[4] - ring[1]) > 1e-2  # it learned: the losses compared are not constant
+
+
+def test_a_hybrid_train_main_run_resumes_bit_identically(hybrid_runs):
     whole, split, _ = hybrid_runs
     assert sorted(losses(split)) == list(range(1, 9)) and losses(split) == losses(whole)
 
@@ -229,20 +264,27 @@ def test_train_eval_scores_a_hybrid_checkpoint_over_a_context_axis(hybrid_runs, 
     assert got == pytest.approx(want, rel=1e-5)
 
 
-def test_the_hybrid_programs_are_neuron_clean_on_a_context_axis(capsys):
+@pytest.mark.parametrize("form", ["ring", "gather"])
+def test_the_hybrid_programs_are_neuron_clean_on_a_context_axis(capsys, form):
     """`train.plan` of the tiny hybrid on fsdp=2,context=4: every device program passes the
-    Neuron census (no lax.cond picks a mixer; the key-block loops have static trip counts), the
-    keys and values travel as all-gathers beside the GLA's exchange, and the end-of-run sample
-    is the recompute program (an attention layer has no decode step)."""
+    Neuron census (no lax.cond picks a mixer or a ring step's halves; the ring's and the key
+    blocks' loops have static trip counts), the keys and values travel beside the GLA's
+    exchange as the ring's collective-permutes (or the gather form's all-gathers), the modelled
+    FLOPs count the share of the square each form scores, and the end-of-run sample is the
+    recompute program (an attention layer has no decode step)."""
     import json
 
     from train import plan as train_plan
 
     argv = ["--config", "tiny", "attention_every=2", "global_batch_tokens=512"]
-    assert train_plan.main([*argv, "--mesh", "fsdp=2,context=4", "--json"]) == 0
+    argv += [f"attention_context={form}", "--mesh", "fsdp=2,context=4", "--json"]
+    assert train_plan.main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["headline"]["neuron_census_violations"] == 0
     assert "generate_recompute" in plan["programs"] and "generate_decode" not in plan["programs"]
     step = plan["programs"]["train_step"]
     assert step["census"]["violations"] == 0
     assert step["collectives"]["context-exchange"] > 0 and step["collectives"]["all-gather"] > 0
+    moved = step["collectives"].get("collective-permute", 0)
+    assert (moved > 0) if form == "ring" else (moved == 0)
+    assert plan["flops"]["attention_share_of_square"] == (9 / 16 if form == "ring" else 1.0)

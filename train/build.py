@@ -34,7 +34,7 @@ def build_model(
     from train.step import make_eval_step, make_train_step
 
     unroll = cfg.train.scan_unroll or jax.default_backend() == "neuron"
-    model = LaplaceLM(cfg.model, unroll=unroll)
+    model = LaplaceLM(cfg.model, unroll=unroll, attention_context=cfg.train.attention_context)
     p_shard = param_shardings(cfg.model, mesh)
     abs_params = abstract_with_shardings(abstract_params(cfg.model), p_shard)
     tx, lr_schedule, o_shard = train_config.build_optimizer(cfg.optim, abs_params, p_shard, mesh)

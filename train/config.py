@@ -15,6 +15,7 @@ from typing import Any
 
 from laplace_jax import optim
 from laplace_jax.fsdp import REMAT_POLICIES
+from laplace_jax.model import ATTENTION_CONTEXT, ATTENTION_CONTEXT_FORMS
 from laplace_spec.config import PRESETS, ConfigError, LaplaceConfig, get_config, parse_overrides
 
 
@@ -34,6 +35,8 @@ class TrainConfig:
     max_bad_steps: int = 5  # stop after this many non-finite steps in a row
     scan_unroll: bool = False  # static unroll of the GLA chunk scan (set on Neuron)
     remat: str = "none"  # what the backward recomputes: none | layer | dots (fsdp.REMAT_POLICIES)
+    # a hybrid's attention layers on a context axis: ring | gather (docs/design.md s13.3)
+    attention_context: str = ATTENTION_CONTEXT
     peak_flops: float = 0.0  # MFU denominator in FLOP/s; 0 = measure the matmul rate now
     # (on Neuron: 0 = the peak table of train/peak.py)
     # initialise parameters on the host CPU, then place the shards (Neuron: RNG init compiles
@@ -62,6 +65,11 @@ class TrainConfig:
             raise ConfigError(f"eot_id must be >= 0 (or -1: from the data), got {self.eot_id}")
         if self.remat not in REMAT_POLICIES:
             raise ConfigError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {self.remat!r}")
+        if self.attention_context not in ATTENTION_CONTEXT_FORMS:
+            raise ConfigError(
+                f"attention_context must be one of {tuple(ATTENTION_CONTEXT_FORMS)}, got "
+                f"{self.attention_context!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -202,11 +210,17 @@ def build_optimizer(opt_cfg: optim.OptimizerConfig, params_like, param_shardings
 
 
 def batch_layout(
-    cfg: TrainConfig, seq_len: int, n_devices: int, n_processes: int = 1, context: int = 1
+    cfg: TrainConfig,
+    seq_len: int,
+    n_devices: int,
+    n_processes: int = 1,
+    context: int = 1,
+    attention: bool = False,
 ) -> tuple[int, int, int]:
     """(global sequences B, accumulation steps A, micro-batch M) with B = A * M; checked. With a
     context axis of `context` devices, each sequence is split over one context group, so the
-    micro-batch divides over the n_devices / context groups."""
+    micro-batch divides over the n_devices / context groups (and with `attention` layers in
+    the ring form, each slice into two halves)."""
     if cfg.global_batch_tokens % seq_len:
         raise ConfigError(
             f"global_batch_tokens ({cfg.global_batch_tokens}) must be a multiple of seq_len "
@@ -216,6 +230,12 @@ def batch_layout(
         raise ConfigError(
             f"seq_len ({seq_len}) must divide into context={context} equal slices, one per "
             "device of a context group"
+        )
+    if attention and context > 1 and cfg.attention_context == "ring" and (seq_len // context) % 2:
+        raise ConfigError(
+            f"ring attention cuts each slice into two halves: slices of {seq_len // context} "
+            f"tokens (seq_len {seq_len} over context={context}) must be even; make seq_len a "
+            "multiple of 2 x context, or set attention_context=gather"
         )
     B = cfg.global_batch_tokens // seq_len
     M = cfg.micro_batch_size or B

@@ -118,7 +118,11 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
     import jax.numpy as jnp
 
     from laplace_jax import hlo, muon_accounting
-    from laplace_jax.accounting import parameter_counts, training_flops_per_token
+    from laplace_jax.accounting import (
+        attention_share,
+        parameter_counts,
+        training_flops_per_token,
+    )
     from laplace_jax.context_parallel import (
         EXCHANGE,
         EXCHANGE_CONV,
@@ -142,7 +146,8 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
     from train.step import EVAL_BATCH_AXES, TRAIN_BATCH_AXES
 
     m, n = cfg.model, mesh.size
-    B, A, M = batch_layout(cfg.train, m.seq_len, n, context=mesh.shape.get(CONTEXT, 1))
+    context, attention = mesh.shape.get(CONTEXT, 1), "attention" in m.layer_mixers
+    B, A, M = batch_layout(cfg.train, m.seq_len, n, context=context, attention=attention)
     t = cfg.train  # packed documents: the plan compiles the resets a run on such data makes
     eot_id = t.eot_id if t.doc_reset != "off" and t.eot_id >= 0 else None
     parts = build_model(cfg, mesh, eot_id=eot_id)
@@ -241,7 +246,10 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
     step = report["train_step"]
     step_tokens = B * m.seq_len
     flops = 6 * P * step_tokens
-    model_flops = training_flops_per_token(m) * step_tokens  # 6 P + the GLA's own terms
+    # 6 P + the token mixers' own terms, the attention's over the share of the square its
+    # context form scores (laplace_jax/accounting.py)
+    share = attention_share(cfg.train.attention_context, S)
+    model_flops = training_flops_per_token(m, share) * step_tokens
     peak = TRN2["bf16_flops_per_s_per_core"] * TRN2["flops_utilisation"]
     compute_s = model_flops / n / peak
     comm_s = step["collectives"]["total"] / TRN2["link_bytes_per_s"]
@@ -281,7 +289,11 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
         "hbm_gib": hbm_gib,
         "programs": report,
         "fsdp_ideal_bytes_received": ideal,
-        "flops": {"six_p_tokens": flops, "with_gla_terms": model_flops},
+        "flops": {
+            "six_p_tokens": flops,
+            "with_gla_terms": model_flops,
+            "attention_share_of_square": share,
+        },
         "modelled_trn2": {
             "kind": "floor: the step's FLOPs at peak plus its collectives at link bandwidth",
             "assumptions": TRN2,

@@ -49,7 +49,12 @@ def set_up(args) -> Trainer:
     check_context_groups(mesh)
     cfg = with_table_peak(cfg, mesh)
     layout = batch_layout(
-        cfg.train, cfg.model.seq_len, mesh.size, jax.process_count(), mesh.shape.get(CONTEXT, 1)
+        cfg.train,
+        cfg.model.seq_len,
+        mesh.size,
+        jax.process_count(),
+        mesh.shape.get(CONTEXT, 1),
+        attention="attention" in cfg.model.layer_mixers,
     )
     if task is None:
         batches, val_batches, train_tokens = build_pipeline(cfg, layout, train_paths, val_paths)
