@@ -15,7 +15,10 @@ at the same number of micro-steps: `headline_notes` says what each key compares)
 (s13, `attention_every=4`: one softmax-attention layer in four) is compiled at the recipe's
 length and layout and at the 32k, 128k and 1m rows' (`hybrid` in the JSON): its peak memory, census
 and modelled cost per token against pure Laplace's at the same length, sequences, mesh and
-micro-batches (attention's quadratic FLOPs counted).
+micro-batches (attention's quadratic FLOPs counted, over the share of the square its form
+scores). On a context axis each hybrid row is compiled in both forms of its attention layers
+(s13.3: `attention_context=ring` and `gather`), and `attention_context_default` names the form
+whose step is no larger at any of these lengths, the default laplace_jax/model.py follows.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ HYBRID = (
     ("2k", 2_048, 1, 524_288),
     ("32k", 32_768, 4, 524_288),
     ("128k", 131_072, 16, 524_288),
-    ("1m", 1_048_576, 64, 1_048_576),  # where the gathered keys stop fitting (docs/design.md s13.3)
+    ("1m", 1_048_576, 64, 1_048_576),  # where the gather form stops fitting (docs/design.md s13.3)
 )
 HYBRID_EVERY = 4
 
@@ -185,6 +188,11 @@ def main(argv=None) -> int:
         for kind, count in first["context_exchanges"].items():
             headline[f"context_exchanges_per_step_{kind}"] = count
 
+    # the hybrid's rows: on a context axis in both forms of its attention layers (the ring and
+    # the gather form, docs/design.md s13.3); the default is the form whose step is no larger
+    # at any length compiled
+    from laplace_jax.model import ATTENTION_CONTEXT_FORMS
+
     hybrid = {}
     for name, seq_len, context, step_tokens in HYBRID if args.hybrid else ():
         if seq_len == 2_048:  # the recipe's layout (4 micro-batches of 64)
@@ -194,15 +202,34 @@ def main(argv=None) -> int:
         else:
             continue  # its pure-Laplace row was not compiled (--rows)
         overrides = [*overrides, f"attention_every={HYBRID_EVERY}"]
-        hybrid_plan, command = compile_row(f"hybrid {name}", overrides, context, given)
-        hybrid[name] = {**hybrid_row(hybrid_plan, laplace), "command": command}
+        forms = {}
+        for form in ATTENTION_CONTEXT_FORMS if context > 1 else (None,):
+            extra = [f"attention_context={form}"] if form else []
+            label = f"hybrid {name}" + (f", attention_context={form}" if form else "")
+            hybrid_plan, command = compile_row(label, [*overrides, *extra], context, given)
+            forms[form] = {**hybrid_row(hybrid_plan, laplace), "command": command}
+        hybrid[name] = forms
+
+    def peak(row):
+        return row["train_step_memory"]["peak"]
+
+    both = [forms for forms in hybrid.values() if len(forms) > 1]
+    ring_fits_better = all(peak(forms["ring"]) <= peak(forms["gather"]) for forms in both)
+    default = "ring" if ring_fits_better else "gather"
+    if both:
+        headline["attention_context_default"] = default
+    for name, forms in hybrid.items():
         key = f"hybrid{HYBRID_EVERY}_{name}"
-        headline[f"train_step_gib_per_device_{key}"] = round(
-            hybrid[name]["train_step_memory"]["peak"] / 1024**3, 3
-        )
-        headline[f"cost_per_token_{key}_over_laplace"] = round(
-            hybrid[name]["cost_per_token_over_laplace"], 4
-        )
+        chosen = forms[default] if default in forms else forms[None]
+        for form, row in forms.items():
+            suffix = "" if row is chosen else f"_{form}"  # the other form's keys: named by it
+            headline[f"train_step_gib_per_device_{key}{suffix}"] = round(peak(row) / 1024**3, 3)
+            headline[f"cost_per_token_{key}{suffix}_over_laplace"] = round(
+                row["cost_per_token_over_laplace"], 4
+            )
+        hybrid[name] = {**chosen, "attention_context": default if default in forms else None}
+        others = {f: r for f, r in forms.items() if r is not chosen}
+        hybrid[name].update({f"attention_context_{f}": r for f, r in others.items()})
     print(
         write_result(
             "plan",

@@ -160,3 +160,20 @@ def test_an_odd_slice_is_a_config_error_unless_the_run_needs_no_ring():
     assert batch_layout(gather, 80, 16, context=16, attention=True) == (8, 1, 8)
     assert batch_layout(ring, 80, 16, context=16) == (8, 1, 8)  # no attention layer
 
+
+def test_the_default_form_is_the_one_the_committed_plan_measured():
+    """laplace_jax/model.py's ATTENTION_CONTEXT is bench/results/plan.json's
+    `attention_context_default` (the form whose 3B hybrid step is no larger at 32k, 128k and
+    1M tokens), and that plan's ring fits the 1M step in 16 GiB."""
+    import json
+    from pathlib import Path
+
+    from laplace_jax.model import ATTENTION_CONTEXT
+
+    plan = Path(__file__).resolve().parents[1] / "bench" / "results" / "plan.json"
+    headline = json.loads(plan.read_text())["headline"]
+    assert ATTENTION_CONTEXT == headline["attention_context_default"]
+    for row in ("32k", "128k", "1m"):
+        chosen = headline[f"train_step_gib_per_device_hybrid4_{row}"]
+        assert chosen <= headline[f"train_step_gib_per_device_hybrid4_{row}_gather"]
+    assert headline["train_step_gib_per_device_hybrid4_1m"] <= 16

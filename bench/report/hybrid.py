@@ -47,12 +47,16 @@ def hybrid_init(name: str = "hybrid_init") -> str:
 
 
 def plan_hybrid() -> str:
-    """The 3B hybrid's plans beside pure Laplace's of the same shape (bench.plan)."""
+    """The 3B hybrid's plans beside pure Laplace's of the same shape (bench.plan), each row on a
+    context axis in both forms of its attention layers (the default and the other)."""
     d = load("plan")
     gib = 1024**3
+    default = d["headline"].get("attention_context_default")
+    other = next(f for f in ("ring", "gather") if f != default) if default else None
     rows = []
     for r in d["hybrid"].values():
         b = r["batch"]
+        alt = r.get(f"attention_context_{other}")
         rows.append(
             [
                 f"{r['seq_len']:,}",
@@ -64,19 +68,27 @@ def plan_hybrid() -> str:
                 f"{r['neuron_census_violations']}",
                 f"{r['modelled_trn2']['step_s']:.2f}",
                 ratio(r["cost_per_token_over_laplace"], 3),
+                "-" if alt is None else f"{alt['train_step_memory']['peak'] / gib:.2f}",
+                "-" if alt is None else ratio(alt["cost_per_token_over_laplace"], 3),
             ]
         )
     head = ["tokens per sequence", "mesh", "accum x micro", "hybrid peak GiB", "Laplace peak GiB"]
     head += ["fits 24 GiB", "census", "modelled step s", "cost per token vs Laplace"]
+    head += [f"{other} form: peak GiB", f"{other} form: cost vs Laplace"]
     every = next(iter(d["hybrid"].values()))["attention_every"]
     commands = "\n".join(f"    {r['command']}" for r in d["hybrid"].values())
     return (
         f"The hybrid, `attention_every={every}` (one softmax-attention layer in {every}), each row "
-        "compiled by `python -m bench.plan` as\n\n" + commands + "\n\n" + table(head, rows) + "\n\n"
+        "compiled by `python -m bench.plan` as\n\n" + commands + "\n\n"
+        f"and, on a context axis, again with `attention_context={other}` (the last two "
+        f"columns); the default form, `{default}`, is the one whose step is no larger at any "
+        "length:\n\n" + table(head, rows) + "\n\n"
         "Each row is compared with pure Laplace's plan of the same length, mesh and micro-batches "
         "(the recipe at 2,048 tokens, the long rows of "
         "[Long context](long-context.md#the-3b-plans-to-1m-tokens)); the modelled cost counts "
-        "attention's FLOPs over the whole square of each sequence."
+        "attention's FLOPs over the share of each sequence's square its form scores: all of it "
+        "on one device and in the gather form, (2 S + 1) / (4 S) of it in the ring over S "
+        "devices."
     )
 
 

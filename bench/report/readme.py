@@ -62,6 +62,14 @@ def headlines() -> str:
             "[Long context](docs/long-context.md)",
         ],
         [
+            "the 3:1 hybrid 3B at 1,048,576 tokens on 64 NeuronCores, compiled (never run), its "
+            f"attention layers in the {ph['attention_context_default']} form: GiB per device / "
+            "modelled cost per token over pure Laplace",
+            f"**{ph['train_step_gib_per_device_hybrid4_1m']:.2f} / "
+            f"{ratio(ph['cost_per_token_hybrid4_1m_over_laplace'], 2)}**",
+            "[Hybrid: memory](docs/hybrid.md#memory-at-3b-and-long-contexts)",
+        ],
+        [
             "Muon's traffic per device, `a2a` over `gather` (3B, 64 devices)",
             f"**{muon['headline']['traffic_ratio']:.1f}x less**",
             "[Benchmarks: Muon](docs/benchmarks.md#muon)",
