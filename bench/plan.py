@@ -17,8 +17,9 @@ length and layout and at the 32k, 128k and 1m rows' (`hybrid` in the JSON): its 
 and modelled cost per token against pure Laplace's at the same length, sequences, mesh and
 micro-batches (attention's quadratic FLOPs counted, over the share of the square its form
 scores). On a context axis each hybrid row is compiled in both forms of its attention layers
-(s13.3: `attention_context=ring` and `gather`), and `attention_context_default` names the form
-whose step is no larger at any of these lengths, the default laplace_jax/model.py follows.
+(s13.3: `attention_context=ring` and `gather`), and `attention_context_default` names the
+default laplace_jax/model.py follows: the ring unless its step is larger than the gather form's
+at one of these lengths.
 """
 
 from __future__ import annotations

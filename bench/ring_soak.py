@@ -25,7 +25,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--mesh", default="fsdp=2,context=4", help="data, fsdp and context sizes")
     ap.add_argument("--runs", type=int, default=1000)
-    ap.add_argument("form", nargs="?", default="attention_context=ring", help="ring or gather")
+    ap.add_argument(
+        "form", nargs="?", default="attention_context=ring", help="attention_context=ring|gather"
+    )
     args = ap.parse_args(argv)
     sizes = {k: int(v) for k, v in (part.split("=") for part in args.mesh.split(","))}
     n = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("context", 1)
@@ -41,6 +43,10 @@ def main(argv=None) -> int:
     from laplace_spec.config import get_config
 
     form = args.form.split("=", 1)[-1]
+    if form not in ("ring", "gather"):
+        ap.error(
+            f"the form is attention_context=ring or attention_context=gather, not {args.form!r}"
+        )
     cfg = get_config("tiny", ["n_layers=4", "attention_every=2"])
     mesh = make_mesh(n, data=sizes.get("data", 1), context=sizes.get("context", 1))
     model = LaplaceLM(cfg, attention_context=form)
@@ -51,7 +57,7 @@ def main(argv=None) -> int:
     first, _ = jax.block_until_ready(step(params, tokens, None))
     start = time.perf_counter()
     for run in range(args.runs):
-        loss, grads = jax.block_until_ready(step(params, tokens, None))
+        loss, _ = jax.block_until_ready(step(params, tokens, None))
         if float(loss) != float(first):
             raise SystemExit(
                 f"run {run}: loss {float(loss)} differs from the first's {float(first)}"

@@ -66,6 +66,8 @@ def attention_flops_per_token(config: LaplaceConfig, share: float = 1.0) -> floa
 def training_flops_per_token(config: LaplaceConfig, attention: float = 1.0) -> float:
     """Model FLOPs of one training token: 6 x parameters (the write-up's count) + 3 x the token
     mixers' terms (the GLA layers' and the attention layers', `attention` the share of the
-    square the attention computes: `attention_share`)."""
+    square the attention computes: `attention_share`). The trainer's MFU counts the whole
+    square (share 1, FlashAttention's count, whichever form runs); train.plan's modelled step
+    time counts the share the run's form scores."""
     mixers = gla_flops_per_token(config) + attention_flops_per_token(config, attention)
     return 6 * parameter_counts(config)["total_params"] + 3 * mixers

@@ -10,9 +10,9 @@ tokens. For an attention layer, q, k, v and the document ids are permuted so tha
 holds the halves (i, 2S - 1 - i), one early and one late (Llama 3's and Megatron's load
 balancing), and the output is permuted back: two `ppermute`s each way, of half a slice each.
 
-Ring. Keys and values stay on the device that made them; at ring step r = 0 .. S - 1 device i
-holds device j = (i - r) mod S's halves (a `ppermute` i -> i + 1 between steps, S - 1 of them).
-Of the four pairs (query half, key half), "lo" the early half and "hi" the late one:
+Ring. Queries stay on their device and the keys and values travel: at ring step r = 0 .. S - 1
+device i holds device j = (i - r) mod S's halves (a `ppermute` i -> i + 1 between steps, S - 1 of
+them). Of the four pairs (query half, key half), "lo" the early half and "hi" the late one:
 
     j = i:  (lo, lo) causal   (hi, lo) whole   (hi, hi) causal   (lo, hi) wholly future
     j < i:  (lo, lo) whole    (hi, lo) whole   the key's hi half is after both query halves
@@ -31,6 +31,9 @@ recomputes the probabilities from the saved log-sum-exp and sends the keys and v
 the ring again, each with its dK, dV travelling beside it in fp32 (S - 1 additions of partial
 sums: the keys' bf16 would round each of them); one more `ppermute` after the last step brings
 each slice's dK, dV home. `attention_context_parallel` (the gather form) is its reference.
+
+The pairs do the same work when the key block divides h (KEY_BLOCK = 512 and h = 4,096 or more at
+3B's long rows); otherwise each pair's last block is padded and masked.
 """
 
 from __future__ import annotations
@@ -49,6 +52,20 @@ from laplace_jax.attention_context import (
 )
 
 f32 = jnp.float32
+OWN_PAIRS = ((0, 0), (1, 0), (1, 1))  # ring step 0: (query half, key half) of its own keys
+
+
+def odd_slice(seq_len: int, context: int) -> str | None:
+    """What is wrong with slices of seq_len / context tokens for the ring, or None: it cuts each
+    slice into two halves."""
+    L = seq_len // context
+    if L % 2 == 0:
+        return None
+    return (
+        f"ring attention cuts each slice into two halves: slices of {L} tokens (seq_len "
+        f"{seq_len} over context={context}) must be even; make seq_len a multiple of 2 x "
+        "context, or set attention_context=gather"
+    )
 
 
 def _half_destination(half: int, n: int) -> int:
@@ -115,6 +132,11 @@ def _key_half(k, v, doc, device, half, n: int, h: int, block: int):
     return padded_keys(k_y, v_y, pos_y, doc_y, block)
 
 
+def _query_positions(i, n: int, h: int):
+    """[L] global positions of device i's zig-zag queries: its lo half, then its hi half."""
+    return jnp.concatenate([_half_start(i, x, n, h) + jnp.arange(h) for x in (0, 1)])
+
+
 def _rows(x, half, h: int, axis: int = 2):
     return jax.lax.dynamic_slice_in_dim(x, half * h, h, axis=axis)
 
@@ -137,7 +159,7 @@ def _forward(q, k, v, doc, axis, scale, block):
     h = L // 2
     blk = min(block, h)
     qh = q.transpose(0, 2, 1, 3).astype(f32) * scale  # [b, H, L, K]
-    q_pos = jnp.concatenate([_half_start(i, x, n, h) + jnp.arange(h) for x in (0, 1)])  # [L]
+    q_pos = _query_positions(i, n, h)  # [L]
 
     def attend(stats, x, y, k_j, v_j, doc_j, j):  # query half x, key half y of device j's keys
         *keys, nb = _key_half(k_j, v_j, doc_j, j, y, n, h, blk)
@@ -151,7 +173,7 @@ def _forward(q, k, v, doc, axis, scale, block):
         )
 
     stats = empty_stats(b, H, L, v.shape[-1])
-    for x, y in ((0, 0), (1, 0), (1, 1)):  # ring step 0, this device's own keys
+    for x, y in OWN_PAIRS:  # ring step 0, this device's own keys
         stats = attend(stats, x, y, k, v, doc, i)
 
     def ring_step(carry, r):  # device j = i - r's keys arrive; two pairs of halves
@@ -179,7 +201,7 @@ def _backward(axis, scale, block, res, do):  # do: [b, L, H, V] fp32, zig-zag or
     qh = q.transpose(0, 2, 1, 3).astype(f32) * scale  # [b, H, L, K]
     doh = do.astype(f32).transpose(0, 2, 1, 3)  # [b, H, L, V]
     delta = jnp.sum(doh * o.transpose(0, 2, 1, 3), -1)  # [b, H, L]
-    q_pos = jnp.concatenate([_half_start(i, x, n, h) + jnp.arange(h) for x in (0, 1)])  # [L]
+    q_pos = _query_positions(i, n, h)  # [L]
 
     def grads(acc, x, y, k_j, v_j, doc_j, j):  # query half x, key half y of device j's keys
         dq, dk, dv = acc  # dQ [b, H, L, K] of this device; dK, dV [b, L, H, K|V] of j's keys
@@ -202,7 +224,7 @@ def _backward(axis, scale, block, res, do):  # do: [b, L, H, V] fp32, zig-zag or
         return dq, dk, dv
 
     acc = (jnp.zeros(qh.shape, f32), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32))
-    for x, y in ((0, 0), (1, 0), (1, 1)):  # ring step 0, this device's own keys
+    for x, y in OWN_PAIRS:  # ring step 0, this device's own keys
         acc = grads(acc, x, y, k, v, doc, i)
     dq, dk, dv = acc
 
@@ -234,11 +256,10 @@ def attention_ring_parallel(q, k, v, reset, axis: str, scale: float, block: int 
     reset [b, L] bool or None (document starts); L even. Returns o [b, L, H, V] fp32, what
     `attention_context_parallel` (the gather form) returns."""
     b, L = q.shape[:2]
-    if L % 2:
-        raise ValueError(
-            f"ring attention splits each slice into two halves: the slice length ({L} tokens) "
-            "must be even (seq_len divisible by 2 x context), or use attention_context=gather"
-        )
+    n = jax.lax.axis_size(axis)
+    problem = odd_slice(n * L, n)
+    if problem:
+        raise ValueError(problem)
     doc = document_ids(reset, axis, b, L)
     q, k, v, doc = (to_zigzag(t, axis) for t in (q, k, v, doc))
     return from_zigzag(ring_attention(q, k, v, doc, axis, scale, block), axis)

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 from jax.sharding import Mesh, PartitionSpec
 
+from laplace_jax.attention_ring import odd_slice
 from laplace_jax.context_parallel import CONTEXT_STATE, CONTEXT_WINDOW, slice_decays
 from laplace_jax.loss import next_token_slice, token_losses, token_scores
 from laplace_jax.model import DecoderLayer, LaplaceLM
@@ -111,19 +112,15 @@ def split_dim(spec: PartitionSpec) -> tuple[int | None, str | tuple[str, ...] | 
     return None, None
 
 
-def _check_slices(cfg, T: int, context: int, attention_context: str = "gather") -> None:
+def _check_slices(cfg, T: int, context: int, attention_context: str) -> None:
     if T % context:
         raise ValueError(
             f"a sequence of {T} positions cannot be cut into context={context} equal slices: "
             "seq_len must be a multiple of the context axis"
         )
     ring = context > 1 and attention_context == "ring" and "attention" in cfg.layer_mixers
-    if ring and (T // context) % 2:
-        raise ValueError(
-            f"ring attention cuts each slice into two halves: slices of {T // context} tokens "
-            f"(seq_len {T} over context={context}) must be even; seq_len must be a multiple of "
-            f"2 x context, or set attention_context=gather"
-        )
+    if ring and odd_slice(T, context):
+        raise ValueError(odd_slice(T, context))
     if T // context < cfg.conv_width:
         raise ValueError(
             f"slices of {T // context} tokens (seq_len {T} over context={context}) are shorter "
@@ -162,8 +159,11 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
     # layer's mixer.
     k = cfg.block_size
     axis = CONTEXT if context > 1 else None
-    layer_kw = {"unroll": model.unroll, "context_axis": axis}
-    layer_kw["attention_context"] = model.attention_context
+    layer_kw = {
+        "unroll": model.unroll,
+        "context_axis": axis,
+        "attention_context": model.attention_context,
+    }
     first, last = DecoderLayer(cfg, mixer=cfg.layer_mixers[0], **layer_kw), None
     if k > 1:
         last = DecoderLayer(cfg, mixer=cfg.layer_mixers[k - 1], **layer_kw)

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from laplace_jax import optim
+from laplace_jax.attention_ring import odd_slice
 from laplace_jax.fsdp import REMAT_POLICIES
 from laplace_jax.model import ATTENTION_CONTEXT, ATTENTION_CONTEXT_FORMS
 from laplace_spec.config import PRESETS, ConfigError, LaplaceConfig, get_config, parse_overrides
@@ -231,12 +232,9 @@ def batch_layout(
             f"seq_len ({seq_len}) must divide into context={context} equal slices, one per "
             "device of a context group"
         )
-    if attention and context > 1 and cfg.attention_context == "ring" and (seq_len // context) % 2:
-        raise ConfigError(
-            f"ring attention cuts each slice into two halves: slices of {seq_len // context} "
-            f"tokens (seq_len {seq_len} over context={context}) must be even; make seq_len a "
-            "multiple of 2 x context, or set attention_context=gather"
-        )
+    ring = attention and context > 1 and cfg.attention_context == "ring"
+    if ring and odd_slice(seq_len, context):
+        raise ConfigError(odd_slice(seq_len, context))
     B = cfg.global_batch_tokens // seq_len
     M = cfg.micro_batch_size or B
     groups = n_devices // context

@@ -248,7 +248,7 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
     flops = 6 * P * step_tokens
     # 6 P + the token mixers' own terms, the attention's over the share of the square its
     # context form scores (laplace_jax/accounting.py)
-    share = attention_share(cfg.train.attention_context, S)
+    share = attention_share(cfg.train.attention_context, S) if attention else 1.0
     model_flops = training_flops_per_token(m, share) * step_tokens
     peak = TRN2["bf16_flops_per_s_per_core"] * TRN2["flops_utilisation"]
     compute_s = model_flops / n / peak
@@ -291,7 +291,7 @@ def make_plan(cfg, mesh, hbm_gib: float = 24.0) -> dict:
         "fsdp_ideal_bytes_received": ideal,
         "flops": {
             "six_p_tokens": flops,
-            "with_gla_terms": model_flops,
+            "with_mixer_terms": model_flops,
             "attention_share_of_square": share,
         },
         "modelled_trn2": {
