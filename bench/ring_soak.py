@@ -38,12 +38,12 @@ def main(argv=None) -> int:
     import numpy as np
 
     from laplace_jax.fsdp import make_loss_and_grad
-    from laplace_jax.model import LaplaceLM, init_params
+    from laplace_jax.model import ATTENTION_CONTEXT_FORMS, LaplaceLM, init_params
     from laplace_jax.sharding import make_mesh, param_shardings, param_specs
     from laplace_spec.config import get_config
 
     form = args.form.split("=", 1)[-1]
-    if form not in ("ring", "gather"):
+    if form not in ATTENTION_CONTEXT_FORMS:
         ap.error(
             f"the form is attention_context=ring or attention_context=gather, not {args.form!r}"
         )

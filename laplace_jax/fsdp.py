@@ -48,7 +48,6 @@ import jax.numpy as jnp
 from flax import traverse_util
 from jax.sharding import Mesh, PartitionSpec
 
-from laplace_jax.attention_ring import odd_slice
 from laplace_jax.context_parallel import CONTEXT_STATE, CONTEXT_WINDOW, slice_decays
 from laplace_jax.loss import next_token_slice, token_losses, token_scores
 from laplace_jax.model import DecoderLayer, LaplaceLM
@@ -112,15 +111,12 @@ def split_dim(spec: PartitionSpec) -> tuple[int | None, str | tuple[str, ...] | 
     return None, None
 
 
-def _check_slices(cfg, T: int, context: int, attention_context: str) -> None:
+def _check_slices(cfg, T: int, context: int) -> None:
     if T % context:
         raise ValueError(
             f"a sequence of {T} positions cannot be cut into context={context} equal slices: "
             "seq_len must be a multiple of the context axis"
         )
-    ring = context > 1 and attention_context == "ring" and "attention" in cfg.layer_mixers
-    if ring and odd_slice(T, context):
-        raise ValueError(odd_slice(T, context))
     if T // context < cfg.conv_width:
         raise ValueError(
             f"slices of {T // context} tokens (seq_len {T} over context={context}) are shorter "
@@ -220,9 +216,8 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
     return forward
 
 
-def _check_tokens(model: LaplaceLM, mesh: Mesh, tokens) -> None:
-    context = mesh.shape.get(CONTEXT, 1)
-    _check_slices(model.config, tokens.shape[1] - 1, context, model.attention_context)
+def _check_tokens(cfg, mesh: Mesh, tokens) -> None:
+    _check_slices(cfg, tokens.shape[1] - 1, mesh.shape.get(CONTEXT, 1))
 
 
 def make_sharded_loss(
@@ -271,7 +266,7 @@ def make_sharded_loss(
     def sharded_loss(params, tokens, mask=None):
         """`mask` [M, T] bool (optional): the loss is sum(ce * mask) / sum(mask) over the whole
         micro-batch (e.g. the answer positions of train/tasks.py); None: every target counts."""
-        _check_tokens(model, mesh, tokens)
+        _check_tokens(model.config, mesh, tokens)
         n_targets = jnp.asarray(tokens.shape[0] * (tokens.shape[1] - 1), f32)  # M T targets
         fn = jax.shard_map(
             body,
@@ -304,7 +299,7 @@ def make_token_scores(model: LaplaceLM, mesh: Mesh, param_specs, eot_id: int | N
     flat_specs = traverse_util.flatten_dict(param_specs, sep="/")
 
     def scores(params, tokens):
-        _check_tokens(model, mesh, tokens)
+        _check_tokens(model.config, mesh, tokens)
         fn = jax.shard_map(
             lambda shards, t: forward(shards, t, token_scores),
             mesh=mesh,
