@@ -34,14 +34,9 @@ from flax.traverse_util import flatten_dict
 
 from laplace_spec import names
 from laplace_spec.config import DEFAULT_SERVE_LENGTH, LaplaceConfig
+from laplace_spec.tokenizer_files import TOKENIZER_FILES, folder_end_of_text
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3  # 2 GiB per safetensors file, as HF writes them
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-)
 
 
 class ExportError(ValueError):
@@ -295,10 +290,9 @@ def copy_tokenizer(src: Path, out_dir: Path) -> dict[str, int | None]:
     for fname in TOKENIZER_FILES:
         if (src / fname).is_file():
             shutil.copyfile(src / fname, out_dir / fname)
-    tok = json.loads((out_dir / "tokenizer.json").read_text())
-    specials = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
-    eos_tok = next((t for t in ("<|endoftext|>", "</s>", "<eos>") if t in specials), None)
-    ids = {"eos_token_id": specials.get(eos_tok) if eos_tok else None, "bos_token_id": None}
+    eos = folder_end_of_text(out_dir)  # the rule train.prepare separated documents by
+    eos_tok = eos[0] if eos else None
+    ids = {"eos_token_id": eos[1] if eos else None, "bos_token_id": None}
     if not (out_dir / "tokenizer_config.json").is_file():
         tc = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30}
         if eos_tok:

@@ -29,26 +29,39 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from laplace_jax import muon as muon_lib
 from laplace_jax.newton_schulz import NS_DTYPES
 from laplace_jax.sharding import FSDP, param_axes, replicated
+from laplace_spec.config import setting
 from laplace_spec.param_groups import is_muon_path, param_group
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = 6e-4  # peak learning rate of Muon (update RMS ~0.2 with "adamw_rms")
-    adamw_lr_ratio: float = 1.0  # AdamW's rate = ratio * Muon's, at every step
-    warmup_steps: int = 3_815  # the write-up's linear warmup
-    total_steps: int = 190_735  # 100B tokens at 524,288 tokens per step
-    min_lr_ratio: float = 0.1  # cosine ends at min_lr_ratio * lr
-    weight_decay: float = 0.1  # decoupled (times the rate): Muon matrices and AdamW kernels
-    adam_b1: float = 0.9
-    adam_b2: float = 0.95
-    adam_eps: float = 1e-8
-    muon_momentum: float = 0.95  # mu of docs/design.md s4
-    nesterov: bool = True  # G' = G + mu M
-    ns_steps: int = 5  # quintic Newton-Schulz iterations
-    ns_dtype: str = "bfloat16"  # Newton-Schulz operands, and what the collectives carry
-    shape_factor: str = "adamw_rms"  # or "max_ratio": max(1, rows/cols) ** 0.5
-    muon_mode: str = "a2a"  # "single" | "gather" | "a2a" (docs/design.md s4; see muon.py)
+    lr: float = setting(6e-4, "peak learning rate of Muon (update RMS ~0.2 with adamw_rms)")
+    adamw_lr_ratio: float = setting(1.0, "AdamW's rate = ratio * Muon's, at every step")
+    warmup_steps: int = setting(3_815, "linear warmup steps (the write-up's 3,815)")
+    total_steps: int = setting(
+        190_735,
+        "steps the schedule spans (100B tokens at 524,288 a step); fitted to the run unless set",
+    )
+    min_lr_ratio: float = setting(0.1, "cosine ends at min_lr_ratio * lr")
+    weight_decay: float = setting(
+        0.1,
+        "decoupled (times the rate): Muon matrices and AdamW kernels",
+    )
+    adam_b1: float = setting(0.9, "AdamW's first-moment decay")
+    adam_b2: float = setting(0.95, "AdamW's second-moment decay")
+    adam_eps: float = setting(1e-8, "AdamW's epsilon")
+    muon_momentum: float = setting(0.95, "Muon's momentum mu (docs/design.md s4)")
+    nesterov: bool = setting(True, "Nesterov momentum: G' = G + mu M")
+    ns_steps: int = setting(5, "quintic Newton-Schulz iterations")
+    ns_dtype: str = setting("bfloat16", "Newton-Schulz operands, and what the collectives carry")
+    shape_factor: str = setting(
+        "adamw_rms",
+        "Muon's update scale: adamw_rms (AdamW's RMS) or max_ratio (max(1, rows/cols) ** 0.5)",
+    )
+    muon_mode: str = setting(
+        "a2a",
+        "how Muon orthogonalises sharded matrices: single, gather or a2a (docs/design.md s4)",
+    )
 
     def __post_init__(self):
         for name in ("lr", "adam_eps"):

@@ -38,46 +38,66 @@ class ConfigError(ValueError):
     """A configuration is malformed; the message names the offending field."""
 
 
+def setting(default: Any, meaning: str) -> Any:
+    """A config field with its default and its meaning, which `python -m train.main --help`
+    lists (`settings_help`)."""
+    return dataclasses.field(default=default, metadata={"meaning": meaning})
+
+
 @dataclasses.dataclass(frozen=True)
 class LaplaceConfig:
-    vocab_size: int = 50_304  # GPT-2's 50,257 padded to a multiple of 64 (matmul-friendly)
-    d_model: int = 3_072  # D, the residual stream width; must equal n_heads * d_v
-    n_layers: int = 24  # L decoder layers
-    n_heads: int = 16  # H GLA heads
-    d_k: int = 96  # query/key width per head (half of d_v in Laplace)
-    d_v: int = 192  # value and gate width per head
-    conv_width: int = 4  # depth-wise causal convolution width
-    ffn_dim: int = 8_192  # F, inner width of the GLU channel mixer
-    t_min: float = 1.0  # shortest decay half-life in tokens (head 0: lambda = 0.5)
-    t_max: float = 2_048.0  # longest decay half-life in tokens (last head)
-    n_tiers: int = 4  # contiguous groups of heads sharing one head-RMSNorm scale
-    seq_len: int = 2_048  # training context length
-    chunk_size: int = 128  # GLA chunk length: 16 chunks at seq_len 2,048
-    norm_eps: float = 1e-5  # epsilon of the LayerNorms and of the head RMSNorm
-    init_std: float = 0.02  # std of the embedding and LM head at initialisation
-    compute_dtype: str = "float32"  # activations/matmuls; parameters are always fp32
+    vocab_size: int = setting(
+        50_304, "token ids, a multiple of 64 (the default: GPT-2's 50,257 padded, matmul-friendly)"
+    )
+    d_model: int = setting(3_072, "D, the residual stream width; must equal n_heads * d_v")
+    n_layers: int = setting(24, "L decoder layers")
+    n_heads: int = setting(16, "H GLA heads")
+    d_k: int = setting(96, "query/key width per head (half of d_v in Laplace)")
+    d_v: int = setting(192, "value and gate width per head")
+    conv_width: int = setting(4, "depth-wise causal convolution width")
+    ffn_dim: int = setting(8_192, "F, inner width of the GLU channel mixer")
+    t_min: float = setting(1.0, "shortest decay half-life in tokens (head 0: lambda = 0.5)")
+    t_max: float = setting(2_048.0, "longest decay half-life in tokens (last head)")
+    n_tiers: int = setting(4, "contiguous groups of heads sharing one head-RMSNorm scale")
+    seq_len: int = setting(2_048, "training context length")
+    chunk_size: int = setting(128, "GLA chunk length: 16 chunks at seq_len 2,048")
+    norm_eps: float = setting(1e-5, "epsilon of the LayerNorms and of the head RMSNorm")
+    init_std: float = setting(0.02, "std of the embedding and LM head at initialisation")
+    compute_dtype: str = setting("float32", "activations/matmuls; parameters are always fp32")
     # Step 4's token mixer: "gla" (Laplace) or "attention", causal softmax attention over the same
     # q, k, v with the rest of the layer unchanged (the retrieval baseline, docs/design.md s9;
     # trains and evaluates full sequences, has no recurrent state and is not exported or served).
-    token_mixer: str = "gla"
+    token_mixer: str = setting(
+        "gla",
+        "step 4's token mixer: gla (Laplace) or attention (the softmax baseline)",
+    )
     # The hybrid (docs/design.md s13): with attention_every = k >= 2 the last layer of every block
     # of k layers does step 4 with causal softmax attention (the `token_mixer="attention"` layer:
     # the same parameters, no positional encoding) and the other k - 1 are Laplace's. 0: every
     # layer is Laplace's (the default and the 3B recipe).
-    attention_every: int = 0
+    attention_every: int = setting(
+        0,
+        "a hybrid: every k-th layer is softmax attention (k >= 2); 0 = pure Laplace",
+    )
     # The embedding's output multiplier: "sqrt_d_model" scales it by sqrt(D), so the token's own
     # identity reaches the layers at the size of the residual branches (docs/design.md s13.5:
     # without it a hybrid's attention layer never learns a lookup); "one" leaves it; "auto" is
     # sqrt(D) for a hybrid (attention_every > 0) and 1 for pure Laplace and the attention
     # baseline, where the study found no gain from it (so the 3B recipe stays as published).
-    embed_scale: str = "auto"
+    embed_scale: str = setting(
+        "auto",
+        "the embedding's output multiplier: sqrt_d_model, one, or auto (sqrt(D) in a hybrid)",
+    )
     # A fixed multiplier on every GLA layer's mixer branch, x += m W_out(...) (not an initial
     # scale: it holds through training): "auto" is 0.1 in a hybrid, so the GLA layers' outputs
     # stay small beside the token identity the attention layers match on (docs/design.md s13.5:
     # without it the 3:1 hybrid's attention layer never learns a lookup), and 1 for pure Laplace
     # (the 3B recipe as published); or a positive number, e.g. "1" for a hybrid as before it.
     # The attention layers' branches are never scaled.
-    gla_branch_scale: str = "auto"
+    gla_branch_scale: str = setting(
+        "auto",
+        "multiplier on each GLA layer's mixer branch: a number, or auto (0.1 in a hybrid)",
+    )
 
     def __post_init__(self):
         validate(self)
@@ -388,11 +408,11 @@ def parse_overrides(overrides: list[str], cls: type = LaplaceConfig) -> dict[str
             raise ConfigError(f"override {item!r} is not of the form key=value")
         if key not in types:
             raise ConfigError(f"unknown config key {key!r} (known: {', '.join(sorted(types))})")
-        out[key] = _parse_value(key, raw.strip(), types[key])
+        out[key] = parse_value(key, raw.strip(), types[key])
     return out
 
 
-def _parse_value(key: str, raw: str, typ: type) -> Any:
+def parse_value(key: str, raw: str, typ: type) -> Any:
     try:
         if typ is bool:
             if raw.lower() not in ("true", "false", "1", "0"):

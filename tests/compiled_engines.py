@@ -1,8 +1,9 @@
-"""vLLM's compile mode on the tiny exports (tests/test_vllm_varlen.py, tests/test_hybrid_vllm.py),
-each engine in a subprocess of its own, run by the background queue (tests/background.py) while
-earlier tests run: building a compiled engine takes about a minute on the project's 2-core CPU
-(vLLM traces the model once with a symbolic token count, then inductor compiles it), most of it
-on one core.
+"""vLLM engines on the tiny exports, each in a subprocess of its own, run by the background queue
+(tests/background.py) while earlier tests run: vLLM's compile mode (tests/test_vllm_varlen.py,
+tests/test_hybrid_vllm.py; building a compiled engine takes about a minute on the project's
+2-core CPU: vLLM traces the model once with a symbolic token count, then inductor compiles it,
+most of it on one core), or an eager engine where the spec says `compile: false` (the
+wide-vocabulary run's, tests/wide_vocab.py).
 
     python tests/compiled_engines.py SPEC.json OUT.json
 
@@ -57,7 +58,7 @@ def main(spec_path: str, out_path: str) -> None:
     from serve.vllm_adapter import generate, make_llm
 
     spec = json.loads(Path(spec_path).read_text())
-    llm = make_llm(spec["folder"], max_num_seqs=8, compile=True, **spec["engine"])
+    llm = make_llm(spec["folder"], max_num_seqs=8, **{"compile": True, **spec["engine"]})
     config = llm.llm_engine.vllm_config
     result = {
         "enforce_eager": config.model_config.enforce_eager,

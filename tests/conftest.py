@@ -42,6 +42,7 @@ from shared_fixtures import (  # noqa: E402, F401
     tiny_export,
     tiny_hybrid_export,
     vllm_engine,
+    wide_vocab_run,
 )
 
 

@@ -9,11 +9,12 @@ Jobs started early (`start_early`, called once the tests are collected): the sub
 will need, the 2-replica server, the state store's two servers and the prefix-caching server of
 tests/test_state_store.py and tests/test_vllm_prefix.py,
 `bench.device --dry-run`, the README's tour (tests/tour.py), and one queue (tests/background.py)
-of the MQAR training runs (tests/mqar_runs.py) and the compiled vLLM engines
-(tests/compiled_engines.py), run one after another in the order the tests need them, start
-before the first test, so that their work (tens of seconds to minutes each) runs beside the
-tests that come before them, on the core those leave idle (a JAX compile uses one). Idle, a
-started server costs about 1% of a core. Only the jobs of the collected tests start.
+of the MQAR training runs (tests/mqar_runs.py), the compiled vLLM engines
+(tests/compiled_engines.py) and the wide-vocabulary run (tests/wide_vocab.py), run one after
+another in the order the tests need them, start before the first test, so that their work
+(tens of seconds to minutes each) runs beside the tests that come before them, on the core those
+leave idle (a JAX compile uses one). Idle, a started server costs about 1% of a core. Only the
+jobs of the collected tests start.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import compiled_engines
 import mqar_runs
 import pytest
 import tour
+import wide_vocab
 from laplace_export_helpers import (
     export_tiny,
     free_port,
@@ -88,13 +90,21 @@ def start_early(items, tmp_path_factory) -> None:
 
 
 # The background queue's jobs (fixture -> its commands), in the order their tests run
-QUEUE_ORDER = ("hybrid_recall_run", "compiled_hybrid_run", "mqar_task_runs", "compiled_varlen_run")
+QUEUE_ORDER = (
+    "hybrid_recall_run",
+    "compiled_hybrid_run",
+    "mqar_task_runs",
+    "compiled_varlen_run",
+    "wide_vocab_run",
+)
 
 
 def _queued_commands(name: str, root: Path) -> list[background.Command]:
     if name in mqar_runs.RUNS:
         return mqar_runs.commands(mqar_runs.RUNS[name](root), START_ENV)
     env = {**START_ENV, **VLLM_ENV}  # a fresh process, not a child of one that ran vLLM
+    if name == "wide_vocab_run":
+        return wide_vocab.commands(root, env)
     if name == "compiled_hybrid_run":
         cfg, _, folder = EARLY["tiny_hybrid_export"]
         spec = compiled_engines.spec(
@@ -220,6 +230,13 @@ def compiled_varlen_run(tiny_export, tmp_path_factory) -> dict:
     EARLY.setdefault("tiny_export", tiny_export)
     root = _finished("compiled_varlen_run", tmp_path_factory)
     return json.loads((root / "out.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def wide_vocab_run(tmp_path_factory) -> Path:
+    """tests/wide_vocab.py's run: a 150,000-id tokenizer folder and corpus, prepared, trained,
+    exported and served (its root folder)."""
+    return _finished("wide_vocab_run", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -1,16 +1,19 @@
 """Token shards, the grain pipeline and `train.prepare`."""
 
 import json
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from train import data
-from train.prepare import EOT, prepare
+from train import data, shards
+from train.prepare import prepare
+from train.tokenizer_source import TRAINED_EOT as EOT
 
 
 def _shard(path, tokens):
-    data.write_shard(path, np.asarray(tokens))
+    shards.write_shard(path, np.asarray(tokens))
     return str(path)
 
 
@@ -20,7 +23,7 @@ def test_shard_roundtrip_and_header(tmp_path):
     header = np.fromfile(path, dtype="<i4", count=256)
     assert header[:3].tolist() == [20240520, 1, 1000]
     assert (tmp_path / "a.bin").stat().st_size == 1024 + 2 * 1000
-    np.testing.assert_array_equal(data.load_tokens(path), tokens)
+    np.testing.assert_array_equal(shards.load_tokens(path), tokens)
 
 
 @pytest.mark.parametrize(
@@ -39,17 +42,17 @@ def test_shard_validation_names_file(tmp_path, corrupt, message):
     body = corrupt(header, body)
     path = tmp_path / "broken_shard.bin"
     path.write_bytes(header.tobytes() + body)
-    with pytest.raises(data.ShardError, match=message) as e:
+    with pytest.raises(shards.ShardError, match=message) as e:
         data.TokenWindows([str(path)], 4)
     assert "broken_shard.bin" in str(e.value)
 
 
 def test_short_file_and_missing_glob(tmp_path):
     (tmp_path / "short.bin").write_bytes(b"\0" * 100)
-    with pytest.raises(data.ShardError, match="short.bin.*shorter than"):
-        data.read_header(tmp_path / "short.bin")
-    with pytest.raises(data.ShardError, match="no token shards match"):
-        data.expand_shards(str(tmp_path / "nothing_*.bin"))
+    with pytest.raises(shards.ShardError, match="short.bin.*shorter than"):
+        shards.read_header(tmp_path / "short.bin")
+    with pytest.raises(shards.ShardError, match="no token shards match"):
+        shards.expand_shards(str(tmp_path / "nothing_*.bin"))
 
 
 def test_windows_follow_the_stream_and_stop_at_shard_ends(tmp_path):
@@ -112,8 +115,8 @@ def test_prepare_text_jsonl_parquet(tmp_path):
     assert meta["train_docs"] == 27 and meta["val_docs"] == 3
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     assert tok.get_vocab_size() <= 320
-    train = np.concatenate([data.load_tokens(p) for p in sorted(out.glob("train_*.bin"))])
-    val = np.concatenate([data.load_tokens(p) for p in sorted(out.glob("val_*.bin"))])
+    train = np.concatenate([shards.load_tokens(p) for p in sorted(out.glob("train_*.bin"))])
+    val = np.concatenate([shards.load_tokens(p) for p in sorted(out.glob("val_*.bin"))])
     assert len(list(out.glob("train_*.bin"))) > 1  # split into shards of 200 tokens
     eot = tok.token_to_id(EOT)
     assert meta["eot_id"] == eot
@@ -154,7 +157,7 @@ def test_prepare_keeps_long_documents_and_reports_their_lengths(tmp_path):
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     sizes = [len(tok.encode(d).ids) for d in docs]
     assert meta["dropped_docs"] == sum(n < 30 for n in sizes) > 0
-    stream = np.concatenate([data.load_tokens(p) for p in sorted(out.glob("train_*.bin"))])
+    stream = np.concatenate([shards.load_tokens(p) for p in sorted(out.glob("train_*.bin"))])
     kept = [len(p) - 1 for p in np.split(stream, np.where(stream == meta["eot_id"])[0])[1:]]
     assert kept == [n for n in sizes if n >= 30]
     assert meta["doc_tokens"]["train"] == length_summary(kept)
@@ -188,7 +191,7 @@ def test_context_shares_and_the_short_document_warning(tmp_path):
     eot = 1
     for doc_len, warns in ((600, True), (1500, False), (20_000, False)):
         doc = np.concatenate([[eot], np.full(doc_len, 5)])
-        data.write_shard(tmp_path / f"d{doc_len}.bin", np.tile(doc, 4 * 4097 // doc.size + 2))
+        shards.write_shard(tmp_path / f"d{doc_len}.bin", np.tile(doc, 4 * 4097 // doc.size + 2))
         src = data.TokenWindows([str(tmp_path / f"d{doc_len}.bin")], 4096)
         assert len(src) <= 64  # every window is sampled
         shares = doc_context.context_shares(src, eot, context=4)
@@ -199,3 +202,202 @@ def test_context_shares_and_the_short_document_warning(tmp_path):
         assert shares["share_ge_8k"] == 0.0  # no window holds 8k tokens of a document
         warning = doc_context.short_documents_warning(shares)
         assert (warning is not None) == warns, (doc_len, shares)
+
+
+# ---- token widths ---------------------------------------------------------------------------
+
+
+def test_uint16_shards_are_the_nanogpt_format_bit_for_bit(tmp_path):
+    """A shard written as nanoGPT / llm.c write GPT-2 shards (header, then uint16 tokens) loads
+    as it is, and the writer writes exactly those bytes."""
+    tokens = np.random.default_rng(0).integers(0, 65_536, 5_000)
+    header = np.zeros(256, np.int32)
+    header[:3] = [20240520, 1, tokens.size]
+    theirs = tmp_path / "fineweb_train_000001.bin"
+    theirs.write_bytes(header.tobytes() + tokens.astype(np.uint16).tobytes())
+    np.testing.assert_array_equal(shards.load_tokens(theirs), tokens)
+    assert shards.read_header(theirs).width is shards.UINT16
+    shards.write_shard(tmp_path / "ours.bin", tokens)
+    assert (tmp_path / "ours.bin").read_bytes() == theirs.read_bytes()
+
+
+def test_uint32_shards_hold_ids_past_65535(tmp_path):
+    """llm.c's Llama 3 format: magic 20240801, version 7, uint32 tokens."""
+    tokens = np.array([0, 65_535, 65_536, 128_255, 151_645, 262_143])
+    shards.write_shard(tmp_path / "wide.bin", tokens, shards.UINT32)
+    header = np.fromfile(tmp_path / "wide.bin", dtype="<i4", count=256)
+    assert header[:3].tolist() == [20240801, 7, tokens.size]
+    assert (tmp_path / "wide.bin").stat().st_size == 1024 + 4 * tokens.size
+    np.testing.assert_array_equal(shards.load_tokens(tmp_path / "wide.bin"), tokens)
+    with pytest.raises(shards.ShardError, match="must lie in \\[0, 65535\\] to fit uint16"):
+        shards.write_shard(tmp_path / "narrow.bin", tokens)
+    src = data.TokenWindows([str(tmp_path / "wide.bin")], seq_len=5)
+    np.testing.assert_array_equal(src[0], tokens)
+    assert src.width is shards.UINT32
+
+
+def test_a_set_that_mixes_widths_is_refused(tmp_path):
+    narrow, wide = _shard(tmp_path / "a.bin", np.arange(50)), str(tmp_path / "b.bin")
+    shards.write_shard(wide, np.arange(50), shards.UINT32)
+    with pytest.raises(shards.ShardError, match="mix token widths") as e:
+        data.TokenWindows([narrow, wide], 4)
+    assert f"{narrow} is uint16" in str(e.value) and f"{wide} is uint32" in str(e.value)
+
+
+def test_the_writer_streams_shards_of_the_given_size(tmp_path):
+    writer = shards.ShardWriter(tmp_path, "train", 7, shards.UINT32)
+    for n in (3, 10, 1, 0, 5):
+        writer.add(np.arange(n) + 70_000)
+    writer.close()
+    counts = [shards.read_header(p).count for p in writer.paths]
+    assert counts == [7, 7, 5] and writer.total == 19
+    stream = np.concatenate([shards.load_tokens(p) for p in writer.paths])
+    np.testing.assert_array_equal(
+        stream, np.concatenate([np.arange(n) for n in (3, 10, 1, 5)]) + 70_000
+    )
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+# ---- the formats corpora come in ------------------------------------------------------------
+
+
+def _decoded(out, tok, eot):
+    """The documents of a prepared folder's train shards, decoded."""
+    stream = np.concatenate([shards.load_tokens(p) for p in sorted(out.glob("train_*.bin"))])
+    return [tok.decode(p[1:].tolist()) for p in np.split(stream, np.where(stream == eot)[0])[1:]]
+
+
+def test_prepare_reads_compressed_json_lines_text_arrow_and_saved_datasets(tmp_path):
+    """Each format's documents come back from the shards, in input order: gzip- and
+    zstd-compressed JSON lines and text, an Arrow file, a saved Dataset and a saved DatasetDict's
+    split; the compressed files made by gzip and the zstd command, as users make them. (A
+    gzip-compressed JSON-lines file was tokenised as one document of its compressed bytes
+    before.)"""
+    import gzip
+
+    import datasets
+    import pyarrow as pa
+    from tokenizers import Tokenizer
+
+    docs = [f"def f{i}(x):\n    return x * {i}  # doc {i}\n" for i in range(60)]
+    lines = "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs[:20]))
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[20:30]))
+    subprocess.run(["zstd", "-q", "--rm", str(tmp_path / "b.jsonl")], check=True)  # b.jsonl.zst
+    (tmp_path / "c.txt.gz").write_bytes(gzip.compress(docs[30].encode()))
+    datasets.Dataset.from_dict({"text": docs[31:40]}).save_to_disk(tmp_path / "d")
+    arrow = next((tmp_path / "d").glob("*.arrow"))
+    arrow.rename(tmp_path / "d.arrow")  # an Arrow file on its own (the IPC stream format)
+    table = pa.table({"n": list(range(5)), "text": docs[40:45]})
+    with pa.ipc.new_file(tmp_path / "d2.arrow", table.schema) as writer:  # the IPC file format
+        writer.write_table(table)
+    datasets.Dataset.from_dict({"text": docs[45:50]}).save_to_disk(tmp_path / "e")
+    splits = {"train": docs[50:], "test": ["not this split"]}
+    datasets.DatasetDict(
+        {k: datasets.Dataset.from_dict({"text": v}) for k, v in splits.items()}
+    ).save_to_disk(tmp_path / "f")
+    inputs = [
+        str(tmp_path / n)
+        for n in ("a.jsonl.gz", "b.jsonl.zst", "c.txt.gz", "d.arrow", "d2.arrow", "e", "f")
+    ]
+    out = tmp_path / "out"
+    meta = prepare(inputs, out, vocab_size=320, val_every=0, shard_tokens=500, progress=False)
+    assert meta["train_docs"] == 60 and meta["token_width"] == "uint16"
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert _decoded(out, tok, meta["eot_id"]) == docs
+
+
+def test_a_folder_of_inputs_is_searched_for_every_format(tmp_path):
+    from train.documents import expand_inputs
+
+    (tmp_path / "sub").mkdir()
+    for name in ("a.txt", "b.jsonl.gz", "sub/c.parquet", "sub/d.md.zst", "notes.json", "x.bin"):
+        (tmp_path / name).write_bytes(b"")
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["a"]}).save_to_disk(tmp_path / "sub" / "saved")
+    found = [Path(p).relative_to(tmp_path).as_posix() for p in expand_inputs([str(tmp_path)])]
+    assert found == ["a.txt", "b.jsonl.gz", "sub/c.parquet", "sub/d.md.zst", "sub/saved"]
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("gz_in_disguise.jsonl", "gzip", "cannot be read as json"),  # compressed, not named so
+        ("binary.txt", "gzip", "cannot be read as text: UnicodeDecodeError"),
+        ("truncated.jsonl.gz", "truncated", "cannot be read as json"),
+        ("no_text.jsonl", '{"content": "x"}\n', "no row of its 1 has a 'text' field"),
+        ("number.jsonl", '{"text": 5}\n', "changed from string to number"),
+        ("table.csv", "a,b\n", "unknown corpus format"),
+    ],
+)
+def test_an_unreadable_input_is_an_error_naming_it_and_leaves_no_shard(
+    tmp_path, name, content, message
+):
+    import gzip
+
+    rows = "".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(2_000)).encode()
+    raw = {"gzip": gzip.compress(rows), "truncated": gzip.compress(rows)[:-100]}
+    bad = tmp_path / name
+    bad.write_bytes(raw.get(content) or content.encode())
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"text": f"good {i}"}) + "\n" for i in range(300)))
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=message) as e:
+        prepare([str(good), str(bad)], out, vocab_size=320, shard_tokens=50, progress=False)
+    assert str(bad) in str(e.value)
+    assert not list(out.glob("*.bin*")) and not (out / "meta.json").exists()
+
+
+def test_prepare_with_a_wide_tokenizer_folder(tmp_path):
+    """A local Hugging Face tokenizer folder of 150,000 ids: uint32 shards holding ids past
+    65,535, the end-of-text id from its tokenizer_config.json (the rule the exporter applies: the
+    export names the same id), its files carried beside the shards. Before, prepare refused any
+    tokenizer past 65,536 ids."""
+    import wide_vocab
+
+    from export.exporter import copy_tokenizer
+
+    folder = wide_vocab.write(tmp_path / "tok")
+    docs = wide_vocab.documents(40)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    out = tmp_path / "out"
+    meta = prepare([str(tmp_path / "d.jsonl")], out, str(folder), val_every=0, progress=False)
+    assert meta["token_width"] == "uint32" and meta["vocab_size"] == wide_vocab.VOCAB
+    assert (meta["eot_token"], meta["eot_id"]) == (wide_vocab.EOS, wide_vocab.VOCAB - 1)
+    stream = np.concatenate([shards.load_tokens(p) for p in sorted(out.glob("train_*.bin"))])
+    assert stream.min() >= 65_536 and stream.dtype == np.uint32
+    assert (out / "tokenizer_config.json").read_text() == (
+        folder / "tokenizer_config.json"
+    ).read_text()
+    export = tmp_path / "export"
+    export.mkdir()
+    assert copy_tokenizer(out, export)["eos_token_id"] == meta["eot_id"]
+
+
+def test_prepare_in_worker_processes_writes_the_same_shards(tmp_path):
+    """--workers 2 (at most two batches queued per worker) gives the shards one process gives."""
+    docs = [f"document {i}: " + "word " * (i % 37) for i in range(1_300)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tok = tmp_path / "one" / "tokenizer.json"
+    prepare([str(tmp_path / "d.jsonl")], tmp_path / "one", vocab_size=320, progress=False)
+    prepare([str(tmp_path / "d.jsonl")], tmp_path / "two", str(tok), workers=2, progress=False)
+    for name in ("train_000000.bin", "val_000000.bin"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+
+
+def test_json_lines_parse_only_the_text_field_and_take_rows_longer_than_a_block():
+    """A row of 3 MB (pyarrow.json's block is 1 MB: read again with a larger block, the rows
+    before it not repeated), other fields of changing types (not parsed), a row without text
+    (skipped)."""
+    import tempfile
+
+    from train.documents import iter_documents
+
+    rows = [{"text": "a", "id": 1}, {"text": "b" * 3_000_000, "id": "two"}, {"id": [3]}]
+    rows += [{"text": f"doc {i}", "meta": {"k": i} if i % 2 else None} for i in range(5)]
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+        f.flush()
+        docs = list(iter_documents([f.name]))
+    assert docs == [r["text"] for r in rows if "text" in r]

@@ -20,6 +20,7 @@ HEADLINE = {
     "gla_over_fla_triton_T8192",
     "train_tokens_per_s_3b",
     "train_mfu_3b",
+    "train_mfu_published_peak_3b",
     "decode_tokens_per_s_3b_1280",
 }
 
@@ -215,6 +216,7 @@ def test_the_headline_is_null_where_nothing_was_measured():
         "gla_over_fla_triton_T8192": 1.5,
         "train_tokens_per_s_3b": None,
         "train_mfu_3b": None,
+        "train_mfu_published_peak_3b": None,
         "decode_tokens_per_s_3b_1280": None,
     }
     assert set(run.headline_of(parts, dry_run=True).values()) == {None}

@@ -23,7 +23,8 @@ FENCE = re.compile(r"```bash\n(.*?)```", re.S)
 SEPARATORS = {"&&", "||", ";", "&", "|"}
 PYTHONS = {"python", "python3", "python3.11", ".venv/bin/python"}
 ELSEWHERE = {  # program -> where it is checked, or why not here
-    "bash": "scripts/install.sh: .ci/run runs it on a fresh machine",
+    "bash": "scripts/install.sh: .ci/run runs its cpu route on a fresh machine and resolves the "
+    "cuda and tpu routes against PyPI (scripts/check_installs.py)",
     "source": "the shell's: tests/test_tour.py runs it",
     "curl": "tests/test_tour.py sends the tour's request",
     "until": "the shell's: tests/test_tour.py runs the tour's wait",
@@ -36,8 +37,6 @@ ELSEWHERE = {  # program -> where it is checked, or why not here
     "pip": "the Neuron plugin's install: its package repository and a Trainium instance",
 }
 OTHER_MODULES = {  # python -m of another project
-    "venv": "Python's own: the CUDA install (docs/index.md), not run without a GPU",
-    "pip": "pip's own: the CUDA install (docs/index.md), not run without a GPU",
     "pytest": "the test command itself: .ci/run runs it",
 }
 
@@ -138,3 +137,22 @@ def test_the_command_parses(parsed, page, module, args):
 
 def test_a_flag_the_module_lacks_fails(parsed):
     assert "unrecognized arguments: --no-such-flag" in parsed[(BAD[0], shlex.join(BAD[1]))]
+
+
+def test_the_3b_training_line_is_the_planned_recipe():
+    """docs/training.md's 3B command sets every setting of the recipe bench.plan compiles
+    (bench/results/plan.json) but the Neuron launcher's own: before, it lacked eot_id=50256, so
+    on the published FineWeb shards (no meta.json) its document resets turned themselves off."""
+    from train.plan import with_launch_settings
+
+    recipe = json.loads((REPO / "bench" / "results" / "plan.json").read_text())["recipe_overrides"]
+    launcher = set(with_launch_settings([]))
+    lines = [
+        cmd
+        for page, cmd in ALL
+        if page == "docs/training.md" and cmd[:4] == ["python", "-m", "train.main", "--config"]
+        and cmd[4] == "laplace-3b"
+    ]  # fmt: skip
+    assert len(lines) == 1
+    assert {s for s in recipe if s not in launcher} <= set(lines[0])
+    assert "eot_id=50256" in lines[0]

@@ -24,7 +24,8 @@ from train import eval as train_eval
 from train import main as train_main
 from train import tasks
 from train.checkpoint import Checkpointer
-from train.data import TokenWindows, eval_batches, write_shard
+from train.data import TokenWindows, eval_batches
+from train.shards import write_shard
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = get_config("tiny")  # vocab 320, seq_len 64, chunk_size 16

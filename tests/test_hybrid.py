@@ -189,7 +189,7 @@ def hybrid_runs(tmp_path_factory):
     devices of the context axis) on data=2,fsdp=1,context=4: 8 steps straight ("whole"), and 4
     steps then a rerun to 8 from the step-4 checkpoint ("split"), checkpoints every 4 steps.
     Returns (whole, split, the data folder)."""
-    from train.data import write_shard
+    from train.shards import write_shard
 
     d = tmp_path_factory.mktemp("hybrid_runs")
     write_shard(d / "train_000000.bin", np.random.default_rng(0).integers(0, 256, 40_000))

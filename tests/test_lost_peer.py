@@ -54,7 +54,7 @@ sys.exit(train_main.main(argv, hooks=Hooks(after_step=after_step)))
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from train.data import write_shard
+    from train.shards import write_shard
 
     d = tmp_path_factory.mktemp("shards")
     stream = np.random.default_rng(0).integers(0, 256, 60_000)

@@ -16,7 +16,7 @@ from shared_fixtures import START_ENV
 from laplace_jax.model import abstract_params
 from laplace_jax.sharding import abstract_with_shardings, make_mesh, param_shardings, replicated
 from laplace_spec.config import ConfigError
-from train import build, neuron, peak
+from train import build, neuron
 from train import config as train_config
 from train.checkpoint import Checkpointer
 
@@ -106,34 +106,6 @@ def test_four_instances_at_lnc1_and_split_processes():
 def test_bad_arguments_name_the_field(args, kwargs, field):
     with pytest.raises(ConfigError, match=f"^{field}"):
         neuron.neuron_env(*args, **kwargs)
-
-
-def test_peak_table():
-    assert peak.PEAK_FLOPS["trn2-lnc2"] == 166.75e12  # 667 TFLOP/s per chip / 4 logical cores
-    assert peak.peak_flops_per_device("neuron", "NC_v3d") == 166.75e12
-    assert peak.peak_flops_per_device("neuron", "NC_v2") == 95e12
-    assert peak.peak_flops_per_device("neuron", "something new") is None
-    assert peak.peak_flops_per_device("cpu", "NC_v3d") is None
-    assert peak.mesh_peak_flops(make_mesh(8)) is None  # CPU: the trainer measures instead
-
-
-def test_trainer_takes_the_table_peak_on_neuron_only():
-    """train.peak.with_table_peak on a stand-in for a mesh of 64 trn2 devices at LNC=2."""
-    from types import SimpleNamespace
-
-    def mesh(kind, platform="neuron", n=64):
-        device = SimpleNamespace(platform=platform, device_kind=kind)
-        return SimpleNamespace(devices=np.array([device] * n, dtype=object), size=n)
-
-    cfg = train_config.resolve("tiny", [], {})
-    got = peak.with_table_peak(cfg, mesh("NC_v3d"))
-    assert got.train.peak_flops == 64 * 166.75e12
-    assert "note: peak_flops=1.067e+16 FLOP/s" in got.notices[-1]
-    unknown = peak.with_table_peak(cfg, mesh("NC_v9"))
-    assert unknown.train.peak_flops == 0 and "not in the peak table" in unknown.notices[-1]
-    assert peak.with_table_peak(cfg, mesh("cpu", "cpu")) is cfg  # the probe stays
-    given = train_config.resolve("tiny", ["peak_flops=1e15"], {})
-    assert peak.with_table_peak(given, mesh("NC_v3d")) is given
 
 
 def test_launcher_dry_run_prints_the_environment_and_the_command(capsys):

@@ -255,7 +255,7 @@ def test_masked_accumulation_is_the_mean_over_every_scored_target():
     from train.step import make_train_step
 
     mesh = make_mesh(4)
-    opt_cfg, _ = train_config.optimizer_config("tiny", [], 10)
+    opt_cfg, _ = train_config.optimizer_config("tiny", {}, [], 10)
     ps = param_shardings(TINY, mesh)
     abstract = abstract_with_shardings(abstract_params(TINY), ps)
     tx, _, os_ = train_config.build_optimizer(opt_cfg, abstract, ps, mesh)

@@ -23,6 +23,7 @@ import pytest
 from shared_fixtures import START_ENV
 from xla_env import DEVICES_PER_PROCESS, xla_flags
 
+from laplace_jax.accounting import training_flops_per_token
 from laplace_jax.model import LaplaceLM, abstract_params, init_params
 from laplace_jax.optim import OPTIMIZER_PRESETS, OptimizerConfig, learning_rate_schedule
 from laplace_jax.sharding import abstract_with_shardings, make_mesh, param_shardings
@@ -32,7 +33,7 @@ from train import config as train_config
 from train import main as train_main
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig, batch_layout
-from train.data import write_shard
+from train.shards import write_shard
 from train.step import make_train_step
 
 REPO = Path(__file__).resolve().parent.parent
@@ -176,6 +177,14 @@ def test_tiny_model_learns_structured_data(shards, tmp_path):
     ]
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["model"] == CFG.to_dict() and cfg["batch"]["sequences"] == 8
+    # MFU: one denominator for the run, recorded with where it came from (a CPU: the matmul rate
+    # timed once at start; before, it was timed again every minute and the best one kept)
+    assert "measured fp32 matmul rate" in cfg["peak"]["source"]
+    timed = [r for r in m if r["tokens_per_s"] is not None]  # step 1 compiles
+    assert len(timed) >= 20
+    for r in timed:
+        want = r["tokens_per_s"] * training_flops_per_token(CFG) / cfg["peak"]["flops_per_s"]
+        assert r["mfu"] == pytest.approx(want, rel=1e-9)
     from train.plot import plot
 
     png = plot(run)
@@ -504,8 +513,9 @@ def test_startup_notices_say_what_was_chosen(shards, tmp_path, capsys):
     assert train_main.main(args) == 0
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
     assert notes[0] == (
-        f"note: {model_file} is a model file, not a preset (laplace-3b, small, tiny): the "
-        "training and optimizer settings are the 'small' presets' unless set as key=value"
+        f"note: {model_file} names no preset (laplace-3b, small, tiny): the training and "
+        "optimizer settings it leaves unset are the 'small' presets' (set them as key=value, or "
+        "in the file)"
     )
     small = OPTIMIZER_PRESETS["small"]
     assert notes[1] == (
@@ -517,15 +527,18 @@ def test_startup_notices_say_what_was_chosen(shards, tmp_path, capsys):
         "note: context (no resets) of the scored tokens at seq_len 64 (64 sampled windows): "
         ">= 1k tokens 0.0%, >= 8k tokens 0.0%, >= 64k tokens 0.0%; median 32 tokens"
     )  # the median of 1 .. 64 is 32.5, printed without decimals
+    assert notes[3].startswith(  # CPU devices are not in the peak table
+        "note: MFU against a measured fp32 matmul rate, "
+    ) and notes[3].endswith("no cpu device kind 'cpu'; set peak_flops=F")
     # every matrix with an fsdp axis: the embedding, the LM head and each layer's conv, qkvg, out,
     # w12, w3 kernels (no size among 64, 128, 192, 256, 320 divides by 3)
-    assert notes[3].startswith(
+    assert notes[4].startswith(
         "note: 12 parameters are replicated, not sharded: their fsdp axis does not divide by "
         "fsdp=3 (Muon orthogonalises each whole on every device): "
         "embed/embedding [320, 64]: [320, 64] on fsdp=3; layer_0/conv/kernel [64, 4]: [64] on "
     )
-    assert notes[3].endswith("; and 8 more")
-    assert len(notes) == 4
+    assert notes[4].endswith("; and 8 more")
+    assert len(notes) == 5
     config = json.loads((run / "config.json").read_text())
     assert config["optimizer"]["lr"] == OPTIMIZER_PRESETS["small"].lr
     assert config["train"]["log_every"] == train_config.TRAIN_PRESETS["small"].log_every
@@ -551,7 +564,7 @@ def test_explicit_settings_get_no_notice():
 
 
 def _step_setup(mesh, opt_overrides=()):
-    opt_cfg, _ = train_config.optimizer_config("tiny", list(opt_overrides), 10)
+    opt_cfg, _ = train_config.optimizer_config("tiny", {}, list(opt_overrides), 10)
     ps = param_shardings(CFG, mesh)
     abstract = abstract_with_shardings(abstract_params(CFG), ps)
     tx, schedule, os_ = train_config.build_optimizer(opt_cfg, abstract, ps, mesh)

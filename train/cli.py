@@ -14,15 +14,45 @@ from laplace_spec.config import ConfigError
 from train.lost_peer import DEFAULT_HEARTBEAT_TIMEOUT_S, LOST_PEER_EXIT
 
 
+class _Parser(argparse.ArgumentParser):
+    """`--help` ends with every `key=value` setting, its default and its meaning (built only
+    when asked for: it imports the configs, and with them JAX)."""
+
+    def format_help(self) -> str:
+        from train.config import settings_help
+
+        return super().format_help() + "\n" + settings_help()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     from laplace_jax.sharding import CONTEXT, DATA, FSDP
+    from train.backend import PLATFORMS
 
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="python -m train.main",
         description="Train a Laplace GLA language model (defaults: small preset, stdlib corpus).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    ap.add_argument("--config", default="small", help="model preset or JSON file")
+    ap.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="settings (listed below), over --config"
+    )
+    ap.add_argument(
+        "--config",
+        default="small",
+        help="a preset (tiny, small, laplace-3b), a YAML or JSON config file, or a run's own "
+        "config.json (docs/training.md, Configs)",
+    )
+    ap.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved settings as a YAML config file (that --config reads) and exit",
+    )
+    ap.add_argument(
+        "--platform",
+        choices=sorted(PLATFORMS),
+        help="the JAX backend to train on (default: JAX's, or JAX_PLATFORMS); one this JAX cannot "
+        "start stops the run with the install that brings it",
+    )
     ap.add_argument("--data", help="glob of training token shards (default: stdlib corpus)")
     ap.add_argument("--val-data", help="glob of validation shards (default: none with --data)")
     ap.add_argument(
@@ -33,7 +63,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "passkey[:depth=0.5,vocab_size=V,num_digits=5]; seq_len is the model's, vocab_size "
         "defaults to it; the loss counts the answer positions only (train/tasks.py)",
     )
-    ap.add_argument("--tokenizer", help="tokenizer.json of --data (for the sample, copied to run)")
+    ap.add_argument(
+        "--tokenizer",
+        help="the tokenizer of --data: a tokenizer.json or a tokenizer folder (default: the "
+        "tokenizer.json train.prepare wrote beside the shards); copied into the run for the "
+        "sample and the export",
+    )
     ap.add_argument("--steps", type=int, help="train until this step")
     ap.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
     ap.add_argument(

@@ -16,8 +16,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from train.data import expand_shards
 from train.prepare import prepare
+from train.shards import expand_shards
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,7 +52,16 @@ def ensure_default_corpus(vocab_size: int, progress: bool = True) -> Path:
     # build beside the target and rename: a killed or concurrent build never leaves half a corpus
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     try:
-        prepare(files, tmp, vocab_size=vocab_size, val_every=50, progress=progress)
+        # a few of the standard library's test files are Latin-1 or KOI8-R on purpose: their
+        # undecodable bytes become U+FFFD
+        prepare(
+            files,
+            tmp,
+            vocab_size=vocab_size,
+            val_every=50,
+            progress=progress,
+            encoding_errors="replace",
+        )
         try:
             os.rename(tmp, out)
         except OSError:  # another process finished first

@@ -1,8 +1,5 @@
-"""Token shards and the grain pipeline that feeds the training step.
-
-Shard format (nanoGPT / modded-nanogpt, e.g. the published FineWeb-Edu GPT-2 shards):
-a header of 256 little-endian int32 -- magic 20240520, version 1, token count -- followed by
-that many uint16 tokens. Every shard is validated when opened; errors name the file.
+"""The grain pipeline that feeds the training step from token shards (train/shards.py: the
+format, uint16 or uint32 tokens, validated when opened).
 
 The pipeline: all shards are cut into fixed windows of seq_len + 1 tokens (inputs and shifted
 targets), the windows are split by process, shuffled by seed (a fresh permutation every epoch),
@@ -12,77 +9,10 @@ continues on exactly the next batch.
 
 from __future__ import annotations
 
-import glob
-import os
-from pathlib import Path
-
 import grain
 import numpy as np
 
-MAGIC = 20240520
-VERSION = 1
-HEADER_INTS = 256
-HEADER_BYTES = HEADER_INTS * 4
-TOKEN_DTYPE = np.dtype("<u2")  # uint16: vocabularies up to 65,536 tokens
-
-
-class ShardError(ValueError):
-    """A token shard is malformed; the message names the file."""
-
-
-def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
-    """Write `tokens` (any integer array, values < 65,536) as one shard, atomically."""
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(TOKEN_DTYPE).max):
-        raise ShardError(f"{path}: token ids must lie in [0, 65535] to fit uint16")
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[0], header[1], header[2] = MAGIC, VERSION, tokens.size
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype(TOKEN_DTYPE).tobytes())
-    os.replace(tmp, path)
-
-
-def read_header(path: str | os.PathLike) -> int:
-    """Validate a shard's header against its size; return its token count."""
-    path = Path(path)
-    if not path.is_file():
-        raise ShardError(f"{path}: shard not found")
-    size = path.stat().st_size
-    if size < HEADER_BYTES:
-        raise ShardError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header")
-    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
-    if header[0] != MAGIC:
-        raise ShardError(f"{path}: bad magic {header[0]} (expected {MAGIC}); not a token shard")
-    if header[1] != VERSION:
-        raise ShardError(f"{path}: unsupported version {header[1]} (expected {VERSION})")
-    count = int(header[2])
-    expected = HEADER_BYTES + count * TOKEN_DTYPE.itemsize
-    if count < 0 or size != expected:
-        raise ShardError(
-            f"{path}: header says {count} tokens ({expected} bytes) but the file has {size} bytes"
-        )
-    return count
-
-
-def load_tokens(path: str | os.PathLike) -> np.ndarray:
-    """A validated shard's tokens as a read-only uint16 memmap."""
-    count = read_header(path)
-    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(count,))
-
-
-def expand_shards(pattern: str | list[str]) -> list[str]:
-    """Shard paths from a glob (or list of globs), sorted; an empty match is an error."""
-    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
-    paths: list[str] = []
-    for p in patterns:
-        matched = sorted(glob.glob(os.path.expanduser(p)))
-        if not matched:
-            raise ShardError(f"no token shards match {p!r}")
-        paths.extend(matched)
-    return paths
+from train.shards import ShardError, common_width, load_tokens, read_header
 
 
 class TokenWindows:
@@ -97,7 +27,9 @@ class TokenWindows:
             raise ShardError("no token shards given")
         self.paths = list(paths)
         self.seq_len = seq_len
-        counts = np.array([read_header(p) for p in self.paths], dtype=np.int64)
+        infos = [read_header(p) for p in self.paths]
+        self.width = common_width(self.paths, infos)  # a mixed set is refused
+        counts = np.array([info.count for info in infos], dtype=np.int64)
         self._windows = np.maximum(counts - 1, 0) // seq_len
         self._starts = np.concatenate([[0], np.cumsum(self._windows)])
         if self._starts[-1] == 0:

@@ -312,11 +312,11 @@ def eval_grid(
 
 def eval_ppl(cfg, params, paths, seq_len, n, batch_size, say, mesh) -> dict:
     """Perplexity exp(mean token cross-entropy) over the first n windows of the shards."""
-    from train import data as data_lib
+    from train.data import TokenWindows
 
     try:
-        source = data_lib.TokenWindows(paths, seq_len)
-    except (data_lib.ShardError, OSError, ValueError) as e:
+        source = TokenWindows(paths, seq_len)
+    except (OSError, ValueError) as e:  # a ShardError is a ValueError
         raise EvalError(f"--data: {e}") from e
     score_tokens = make_scorer(cfg, mesh)
 
@@ -499,14 +499,14 @@ def evaluate(args, say=print) -> tuple[dict, Path]:
     }
     say(f"evaluating {args.task} on {ckpt_dir / str(step)} (mesh {mesh_text(mesh)})")
     if args.task == "ppl":
-        from train import data as data_lib
+        from train.shards import expand_shards
 
         seq_len = args.seq_len or cfg.seq_len
         check_lengths("--seq-len", [seq_len], cfg, context)
         if args.data:
             try:
-                paths = data_lib.expand_shards(args.data)
-            except (data_lib.ShardError, OSError, ValueError) as e:
+                paths = expand_shards(args.data)
+            except (OSError, ValueError) as e:  # a ShardError is a ValueError
                 raise EvalError(f"--data {args.data}: {e}") from e
         else:
             paths = data.get("val") or []

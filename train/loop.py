@@ -26,8 +26,6 @@ from train.preemption import PREEMPTED_EXIT, PreemptionWatch
 from train.profiling import StepTrace
 from train.step import EVAL_BATCH_AXES, TRAIN_BATCH_AXES, TRAIN_MASK_AXES
 
-PEAK_REMEASURE_S = 60.0  # measure the matmul rate (MFU's denominator) again at most this often
-
 
 @dataclasses.dataclass
 class Hooks:
@@ -65,8 +63,7 @@ class Trainer:
     meta: dict
     trace: StepTrace  # --profile-steps
     flops_per_token: float
-    peak: float  # matmul FLOP/s of the mesh, the MFU denominator (the best seen so far)
-    peak_measured_at: float = dataclasses.field(default_factory=time.perf_counter)
+    peak: float  # FLOP/s of the mesh, the MFU denominator (train/peak.py `mesh_peak`)
     no_bar: bool = False
 
     @property
@@ -166,14 +163,6 @@ def stop_on_preemption(t: Trainer, done: int, saved: bool) -> int:
 
 def log_step(t: Trainer, done: int, m: dict, val_loss, window, bar) -> None:
     """One metrics.jsonl line; `lr` is the rate optax applied this step (see train/step.py)."""
-    from train.step import measure_matmul_flops
-
-    now = time.perf_counter()
-    if not t.cfg.train.peak_flops and now - t.peak_measured_at > PEAK_REMEASURE_S:
-        # the best matmul rate seen so far: on a shared machine a busy moment at start would
-        # otherwise overstate MFU
-        t.peak = max(t.peak, measure_matmul_flops(t.mesh, reps=2))
-        t.peak_measured_at = now
     tps = window[0] / window[1] if window[1] > 0 else float("nan")
     record = {
         "step": done,

@@ -107,11 +107,16 @@ def main(argv=None, hooks: Hooks | None = None) -> int:
 
 def run_to_status(argv=None, hooks: Hooks | None = None) -> int:
     """Parse, run, and turn the errors a user can fix into one `error:` line and status 2."""
-    from train.data import ShardError
+    from train.shards import ShardError
 
     args = cli.parse_args(argv)
     t0 = time.perf_counter()
     try:
+        if args.print_config:
+            from train.config import config_yaml
+
+            print(config_yaml(cli.resolve_configs(args)), end="")
+            return 0
         status = run(args, hooks)
     except NoUsableCheckpoint as e:
         aside = Path(args.run_dir) / "restarted-<time>"

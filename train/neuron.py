@@ -7,7 +7,7 @@ the launcher (the peak-FLOP table that replaces the CPU matmul probe is train/pe
 runs `python -m train.main TRAIN_ARGS` (on instance I of N) with the environment of
 `neuron_env` and, unless TRAIN_ARGS set them, `scan_unroll=true` (the Neuron compiler needs the
 whole backward graph), `init_on_host=true` (RNG init compiles slowly on a NeuronCore) and
-`peak_flops` from `PEAK_FLOPS` of train/peak.py (the MFU denominator). `--dry-run` prints the
+`peak_flops` from `NEURON_CORE_PEAK` of train/peak.py (the MFU denominator). `--dry-run` prints the
 environment and the command and exits. The launcher `exec`s the trainer (the same process id), so a
 scheduler's SIGTERM reaches `train.main` itself, which saves and exits 75 (train/preemption.py).
 If the runtime rejects Muon's all_to_all, add `muon_mode=gather` to
@@ -66,7 +66,7 @@ from collections.abc import Sequence
 
 from laplace_spec.config import ConfigError
 from train import cli
-from train.peak import PEAK_FLOPS
+from train.peak import NEURON_CORE_PEAK
 
 DEFAULT_CC_FLAGS: tuple[str, ...] = (
     "--auto-cast=none",
@@ -193,7 +193,7 @@ def train_settings(train_args: list[str], n_devices: int, logical_nc: int) -> li
     if args.mesh:
         data, fsdp, context = cli.mesh_sizes(args.mesh)
         n_devices = data * fsdp * context
-    peak = PEAK_FLOPS[f"trn2-lnc{logical_nc}"] * n_devices
+    peak = NEURON_CORE_PEAK[f"trn2-lnc{logical_nc}"] * n_devices
     wanted = {**LAUNCH_SETTINGS, "peak_flops": f"{peak:.6g}"}
     return unset_settings(args.overrides, wanted)
 

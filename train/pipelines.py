@@ -13,28 +13,57 @@ from laplace_spec.config import ConfigError
 from train.config import RunConfigs
 
 
-def open_data(args, model_cfg, main_proc: bool):
-    """(training shard paths, validation shard paths, tokenizer.json or None), checked."""
-    from train import data as data_lib
+def open_data(args, model_cfg, main_proc: bool, say=print):
+    """(training shard paths, validation shard paths, tokenizer.json or None), checked: the
+    tokenizer is `--tokenizer` (a tokenizer.json or a tokenizer folder), else the tokenizer.json
+    that train.prepare wrote beside the shards (a note says so); its vocabulary, or the shards'
+    meta.json's, must fit the model's."""
+    from train.shards import expand_shards
+    from train.tokenizer_source import tokenizer_folder
 
     if args.data:
-        train_paths = data_lib.expand_shards(args.data)
-        val_paths = data_lib.expand_shards(args.val_data) if args.val_data else []
-        tokenizer_src = Path(args.tokenizer) if args.tokenizer else None
+        train_paths = expand_shards(args.data)
+        val_paths = expand_shards(args.val_data) if args.val_data else []
+        tokenizer_src = None
+        if args.tokenizer:
+            try:
+                tokenizer_src = tokenizer_folder(args.tokenizer)[0]
+            except ValueError as e:
+                raise ConfigError(f"--tokenizer: {e}") from e
+        elif (Path(train_paths[0]).parent / "tokenizer.json").is_file():
+            tokenizer_src = Path(train_paths[0]).parent / "tokenizer.json"
+            say(f"note: the tokenizer is {tokenizer_src}, beside the shards; set --tokenizer")
     else:
         from train.corpus import default_data
 
         train_paths, val_paths, tokenizer_src = default_data(model_cfg.vocab_size, main_proc)
+    sizes = []  # (what, its vocabulary size)
     if tokenizer_src is not None:
         from tokenizers import Tokenizer
 
-        tok_vocab = Tokenizer.from_file(str(tokenizer_src)).get_vocab_size()
-        if tok_vocab > model_cfg.vocab_size:
+        n = Tokenizer.from_file(str(tokenizer_src)).get_vocab_size()
+        sizes.append((f"tokenizer {tokenizer_src}", n))
+    meta = shards_meta(train_paths)
+    if "vocab_size" in meta:
+        where = Path(train_paths[0]).parent / "meta.json"
+        sizes.append((f"the shards' tokenizer ({where})", int(meta["vocab_size"])))
+    for what, n in sizes:
+        if n > model_cfg.vocab_size:
             raise ConfigError(
-                f"tokenizer {tokenizer_src} has {tok_vocab} tokens, more than the model's "
-                f"vocab_size {model_cfg.vocab_size}"
+                f"{what} has {n:,} tokens, more than the model's vocab_size "
+                f"{model_cfg.vocab_size:,}: set vocab_size={-(-n // 64) * 64} (a multiple of 64)"
             )
     return train_paths, val_paths, tokenizer_src
+
+
+def shards_meta(train_paths) -> dict:
+    """The meta.json train.prepare wrote beside the first training shard, or {}."""
+    if not train_paths:
+        return {}
+    try:
+        return json.loads((Path(train_paths[0]).parent / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def build_pipeline(cfg: RunConfigs, layout, train_paths, val_paths):
@@ -74,13 +103,7 @@ def doc_reset_eot(train_cfg, train_paths, is_task: bool, say=print) -> int | Non
     (train/prepare.py writes it; the default corpus has one)."""
     if train_cfg.doc_reset == "off" or is_task:  # task sequences are single documents
         return None
-    eot = train_cfg.eot_id if train_cfg.eot_id >= 0 else None
-    if eot is None and train_paths:
-        meta = Path(train_paths[0]).parent / "meta.json"
-        try:
-            eot = json.loads(meta.read_text()).get("eot_id")
-        except (OSError, ValueError):
-            eot = None
+    eot = train_cfg.eot_id if train_cfg.eot_id >= 0 else shards_meta(train_paths).get("eot_id")
     if eot is None:
         if train_cfg.doc_reset == "on":
             raise ConfigError("doc_reset=on needs an EOT id: set eot_id=N (no meta.json eot_id)")

@@ -54,7 +54,7 @@ import sys
 import time
 
 from train.neuron import LAUNCH_SETTINGS, unset_settings
-from train.peak import PEAK_FLOPS
+from train.peak import NEURON_CORE_PEAK
 
 GIB = 1024**3
 CENSUS_VIOLATIONS = (
@@ -73,7 +73,7 @@ CENSUS_VIOLATIONS = (
 TRN2 = {
     # peak dense bf16 of a logical NeuronCore at LNC=2 (train/peak.py's table and sources:
     # 667 TFLOP/s per Trainium2 chip, 4 logical cores each; 64 on a trn2.48xlarge)
-    "bf16_flops_per_s_per_core": PEAK_FLOPS["trn2-lnc2"],
+    "bf16_flops_per_s_per_core": NEURON_CORE_PEAK["trn2-lnc2"],
     # the share of that peak the compute term assumes: 1, so the step time is a floor
     "flops_utilisation": 1.0,
     # NeuronLink-v3 bandwidth per device (1.28 TB/s, the write-up's figure for its collectives)
@@ -90,7 +90,7 @@ def with_launch_settings(overrides: list[str]) -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m train.plan", description=__doc__.split("\n")[0])
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    ap.add_argument("--config", default="small", help="model preset or JSON file")
+    ap.add_argument("--config", default="small", help="a preset, or a YAML or JSON config file")
     ap.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
     ap.add_argument("--mesh", help="fsdp=F[,data=D][,context=S] (default: all devices, fsdp)")
     ap.add_argument("--devices", type=int, help="simulate N CPU devices (before JAX starts)")

@@ -1,118 +1,48 @@
-"""Tokenise text, JSONL or Parquet into nanoGPT-format token shards.
+"""Tokenise a corpus into token shards.
 
-    python -m train.prepare DATA... --out DIR [--tokenizer tokenizer.json | --vocab-size N]
+    python -m train.prepare DATA... --out DIR [--tokenizer tokenizer.json|FOLDER | --vocab-size N]
 
-Every document is preceded by the end-of-text token (GPT-2's convention). With `--tokenizer`
-the given Hugging Face `tokenizer.json` is used (for the 3B recipe: GPT-2's, 50,257 tokens,
+DATA: files, folders or globs, in any format train/documents.py reads: text, JSON lines
+(`--text-key`), either one gzip- or zstd-compressed; Parquet; Arrow; a `datasets.save_to_disk`
+folder (`--split`).
+Every document is preceded by the end-of-text token (GPT-2's convention), which the tokenizer names
+(laplace_spec/tokenizer_files.py's rule, or `--eot-token`). With `--tokenizer` the given Hugging
+Face `tokenizer.json`, or tokenizer folder, is used (for the 3B recipe: GPT-2's, 50,257 tokens,
 which the model pads to 50,304); without it a byte-level BPE of `--vocab-size` tokens (a multiple
-of 64) is trained on the data first. Every `--val-every`-th document goes to the validation
+of 64) is trained on the data first. Shards hold uint16 tokens while the vocabulary fits, uint32
+beyond 65,536 ids (train/shards.py). Every `--val-every`-th document goes to the validation
 split. `--min-doc-tokens N` keeps only documents of at least N tokens (the end-of-text token not
 counted): data for long-context training, whose sequences should hold long documents
-(train/doc_context.py). Output: DIR/train_000000.bin ..., DIR/val_000000.bin ...,
-DIR/tokenizer.json, DIR/meta.json (counts, and each split's document lengths: quantiles and the
-share of tokens in documents of at least 1k, 8k and 64k tokens).
+(train/doc_context.py). The corpus is streamed: memory does not grow with it. Output:
+DIR/train_000000.bin ..., DIR/val_000000.bin ..., DIR/tokenizer.json (and the tokenizer folder's
+companion files), DIR/meta.json (counts, the token width, the end-of-text id, and each split's
+document lengths: quantiles and the share of tokens in documents of at least 1k, 8k and 64k
+tokens).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import multiprocessing
 import os
 import sys
+from array import array
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from train.data import TOKEN_DTYPE, write_shard
 from train.doc_context import length_summary
+from train.documents import CorpusError, expand_inputs, iter_documents
+from train.shards import ShardWriter, TokenWidth, width_for_vocab
+from train.tokenizer_source import copy_companions, document_separator, load_tokenizer, train_bpe
 
-EOT = "<|endoftext|>"
-TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".text")
-
-
-# ---- reading documents ----------------------------------------------------------------------
-
-
-def iter_documents(paths: Iterable[str], text_key: str = "text") -> Iterator[str]:
-    """Documents from files: a text file is one document; JSONL and Parquet one per row."""
-    for path in paths:
-        p = Path(path)
-        name = p.name.lower()
-        if name.endswith((".jsonl", ".json")):
-            with open(p, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    row = json.loads(line)
-                    if text_key not in row:
-                        raise KeyError(f"{p}:{lineno}: no field {text_key!r}")
-                    yield row[text_key]
-        elif name.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
-            pf = pq.ParquetFile(p)
-            if text_key not in pf.schema_arrow.names:
-                raise KeyError(f"{p}: no column {text_key!r} (columns: {pf.schema_arrow.names})")
-            for batch in pf.iter_batches(columns=[text_key], batch_size=1024):
-                yield from (t for t in batch.column(0).to_pylist() if t)
-        else:
-            yield p.read_text(encoding="utf-8", errors="replace")
-
-
-def expand_inputs(items: Iterable[str]) -> list[str]:
-    """Files, directories (searched recursively for known suffixes) and globs, sorted."""
-    import glob
-
-    out: list[str] = []
-    for item in items:
-        if os.path.isdir(item):
-            for suffix in (*TEXT_SUFFIXES, ".jsonl", ".parquet"):
-                out.extend(glob.glob(os.path.join(item, "**", "*" + suffix), recursive=True))
-        else:
-            matched = glob.glob(item, recursive=True)
-            if not matched:
-                raise FileNotFoundError(f"no input files match {item!r}")
-            out.extend(matched)
-    return sorted(set(out))
-
-
-# ---- tokenizer ------------------------------------------------------------------------------
-
-
-def train_bpe(documents: Iterable[str], vocab_size: int, show_progress: bool = True):
-    """A byte-level BPE (GPT-2 style pre-tokenisation) with EOT as its only special token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    if vocab_size % 64 or vocab_size > 65_536:
-        raise ValueError(f"vocab_size must be a multiple of 64 and at most 65,536: {vocab_size}")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=[EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=show_progress,
-    )
-    tok.train_from_iterator(documents, trainer=trainer)
-    return tok
-
-
-def load_tokenizer(path: str | os.PathLike):
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path))
-
-
-def eot_id(tokenizer, eot_token: str = EOT) -> int:
-    i = tokenizer.token_to_id(eot_token)
-    if i is None:
-        raise ValueError(f"tokenizer has no end-of-text token {eot_token!r}; pass --eot-token")
-    return i
+BATCH_DOCS = 256  # documents a tokenising task takes at most
+BATCH_CHARS = 1_000_000  # and characters (a longer document is a task of its own)
+IN_FLIGHT_PER_WORKER = 2  # tasks queued per worker: what bounds the memory of a parallel run
 
 
 # ---- tokenising and writing shards ----------------------------------------------------------
@@ -127,58 +57,48 @@ def _worker_init(tokenizer_json: str):
     _WORKER_TOK = Tokenizer.from_str(tokenizer_json)
 
 
-def _encode_docs(docs: list[str], tokenizer, eot: int) -> list[np.ndarray]:
-    encs = tokenizer.encode_batch(docs, add_special_tokens=False)
-    return [np.array([eot, *e.ids], dtype=TOKEN_DTYPE) for e in encs]
+def _encode_docs(docs: list[str], tokenizer, eot: int, width: TokenWidth) -> list[np.ndarray]:
+    encs = tokenizer.encode_batch_fast(docs, add_special_tokens=False)  # ids only, no offsets
+    return [np.array([eot, *e.ids], dtype=width.dtype) for e in encs]
 
 
 def _worker_encode(args):
-    docs, eot = args
-    return _encode_docs(docs, _WORKER_TOK, eot)
+    docs, eot, width = args
+    return _encode_docs(docs, _WORKER_TOK, eot, width)
 
 
-class ShardWriter:
-    """Accumulates tokens and writes `prefix_000000.bin`, ... of `shard_tokens` each."""
-
-    def __init__(self, out_dir: Path, prefix: str, shard_tokens: int):
-        self.out_dir, self.prefix, self.shard_tokens = out_dir, prefix, shard_tokens
-        self.buf: list[np.ndarray] = []
-        self.n_buf = 0
-        self.index = 0
-        self.total = 0
-        self.paths: list[str] = []
-
-    def add(self, tokens: np.ndarray):
-        self.buf.append(tokens)
-        self.n_buf += tokens.size
-        self.total += tokens.size
-        while self.n_buf >= self.shard_tokens:
-            flat = np.concatenate(self.buf)
-            self._write(flat[: self.shard_tokens])
-            rest = flat[self.shard_tokens :]
-            self.buf, self.n_buf = [rest], rest.size
-
-    def close(self):
-        if self.n_buf:
-            self._write(np.concatenate(self.buf))
-        self.buf, self.n_buf = [], 0
-
-    def _write(self, tokens):
-        path = self.out_dir / f"{self.prefix}_{self.index:06d}.bin"
-        write_shard(path, tokens)
-        self.paths.append(str(path))
-        self.index += 1
-
-
-def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
+def _batched(docs: Iterable[str], max_docs: int, max_chars: int) -> Iterator[list[str]]:
+    """Documents in batches of at most `max_docs` documents and (but for a longer document
+    alone) `max_chars` characters: what one tokenising task holds."""
     batch: list[str] = []
-    for x in it:
-        batch.append(x)
-        if len(batch) == n:
+    chars = 0
+    for doc in docs:
+        if batch and (len(batch) == max_docs or chars + len(doc) > max_chars):
             yield batch
-            batch = []
+            batch, chars = [], 0
+        batch.append(doc)
+        chars += len(doc)
     if batch:
         yield batch
+
+
+def encoded(batches: Iterator[list[str]], tokenizer, eot: int, width: TokenWidth, workers: int):
+    """Each batch of documents as token arrays [eot, the document's tokens], in order: in this
+    process, or in `workers` processes with at most IN_FLIGHT_PER_WORKER batches each queued, so
+    that reading never runs ahead of tokenising by more than that."""
+    if workers <= 1:
+        for b in batches:
+            yield _encode_docs(b, tokenizer, eot, width)
+        return
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, initializer=_worker_init, initargs=(tokenizer.to_str(),)) as pool:
+        pending: collections.deque = collections.deque()
+        for b in batches:
+            pending.append(pool.apply_async(_worker_encode, ((b, eot, width),)))
+            if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
 
 
 def prepare(
@@ -190,62 +110,77 @@ def prepare(
     shard_tokens: int = 100_000_000,
     workers: int = 1,
     text_key: str = "text",
-    eot_token: str = EOT,
+    eot_token: str | None = None,
     progress: bool = True,
     min_doc_tokens: int = 0,
+    split: str = "train",
+    encoding_errors: str = "strict",
 ) -> dict:
-    """Tokenise `inputs` into shards under `out_dir`; return the summary saved as meta.json."""
+    """Tokenise `inputs` into shards under `out_dir`; return the summary saved as meta.json.
+
+    `eot_token`: the document separator (None: the tokenizer's end-of-text token by the rule of
+    laplace_spec/tokenizer_files.py). `split`: the split of a saved DatasetDict.
+    `encoding_errors`: how undecodable bytes of a text file are handled ("strict": an error naming
+    the file; the embedded corpus, whose few non-UTF-8 test files are so on purpose, uses
+    "replace"). A failure leaves no shard of this run behind."""
+    if min_doc_tokens < 0:
+        raise ValueError(f"min_doc_tokens must be >= 0, got {min_doc_tokens}")
     out = Path(out_dir)
+    if (out / "meta.json").exists() or any(out.glob("*_000000.bin")):
+        raise ValueError(f"{out} already holds prepared shards: choose a new --out, or empty it")
     out.mkdir(parents=True, exist_ok=True)
+
+    def documents():
+        return iter_documents(inputs, text_key, split, encoding_errors)
+
     if tokenizer_path:
         tok = load_tokenizer(tokenizer_path)
     else:
         if progress:
-            print(f"training a byte-level BPE of {vocab_size} tokens on {len(inputs)} file(s)")
-        tok = train_bpe(iter_documents(inputs, text_key), vocab_size, show_progress=progress)
-    if tok.get_vocab_size() > 65_536:
-        raise ValueError("tokenizer has more than 65,536 tokens: ids do not fit uint16 shards")
-    tok.save(str(out / "tokenizer.json"))
-    eot = eot_id(tok, eot_token)
+            print(f"training a byte-level BPE of {vocab_size} tokens on {len(inputs)} input(s)")
+        tok = train_bpe(documents(), vocab_size, show_progress=progress)
+    eot_name, eot = document_separator(tok, tokenizer_path, eot_token)
+    width = width_for_vocab(tok.get_vocab_size())
 
-    if min_doc_tokens < 0:
-        raise ValueError(f"min_doc_tokens must be >= 0, got {min_doc_tokens}")
-    writers = {s: ShardWriter(out, s, shard_tokens) for s in ("train", "val")}
+    writers = {s: ShardWriter(out, s, shard_tokens, width) for s in ("train", "val")}
     docs = {"train": 0, "val": 0}
-    lengths: dict[str, list[int]] = {"train": [], "val": []}  # tokens of each kept document
+    lengths = {"train": array("q"), "val": array("q")}  # tokens of each kept document
     dropped = 0
-    batches = _batched(iter_documents(inputs, text_key), 256)
     bar = tqdm(desc="tokenising", unit="tok", unit_scale=True, disable=not progress)
     doc_index = 0
-
-    def consume(arrays):
-        nonlocal doc_index, dropped
-        for a in arrays:  # a: [eot, the document's tokens]
-            bar.update(a.size)
-            if a.size - 1 < min_doc_tokens:
-                dropped += 1
-                continue
-            split = "val" if val_every and doc_index % val_every == val_every - 1 else "train"
-            writers[split].add(a)
-            docs[split] += 1
-            lengths[split].append(a.size - 1)
-            doc_index += 1
-
-    if workers > 1:
-        ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(workers, initializer=_worker_init, initargs=(tok.to_str(),)) as pool:
-            for arrays in pool.imap(_worker_encode, ((b, eot) for b in batches)):
-                consume(arrays)
-    else:
-        for b in batches:
-            consume(_encode_docs(b, tok, eot))
-    bar.close()
-    for w in writers.values():
-        w.close()
+    try:
+        batches = _batched(documents(), BATCH_DOCS, BATCH_CHARS)
+        for arrays in encoded(batches, tok, eot, width, workers):
+            for a in arrays:  # a: [eot, the document's tokens]
+                bar.update(a.size)
+                if a.size - 1 < min_doc_tokens:
+                    dropped += 1
+                    continue
+                held_out = val_every and doc_index % val_every == val_every - 1
+                name = "val" if held_out else "train"
+                writers[name].add(a)
+                docs[name] += 1
+                lengths[name].append(a.size - 1)
+                doc_index += 1
+        for w in writers.values():
+            w.close()
+    except BaseException:
+        for w in writers.values():
+            w.abandon()
+            for path in w.paths:
+                Path(path).unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
+    tok.save(str(out / "tokenizer.json"))
+    if tokenizer_path:
+        copy_companions(tokenizer_path, out)
     meta = {
         "inputs": len(inputs),
         "vocab_size": tok.get_vocab_size(),
+        "token_width": width.name,
         "eot_id": eot,
+        "eot_token": eot_name,
         "tokenizer": str(tokenizer_path) if tokenizer_path else "trained byte-level BPE",
         "train_tokens": writers["train"].total,
         "val_tokens": writers["val"].total,
@@ -253,7 +188,7 @@ def prepare(
         "val_docs": docs["val"],
         "min_doc_tokens": min_doc_tokens,
         "dropped_docs": dropped,
-        "doc_tokens": {split: length_summary(n) for split, n in lengths.items()},
+        "doc_tokens": {name: length_summary(n) for name, n in lengths.items()},
         "train_shards": [Path(p).name for p in writers["train"].paths],
         "val_shards": [Path(p).name for p in writers["val"].paths],
     }
@@ -265,15 +200,29 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m train.prepare", description=__doc__.split("\n\n")[0]
     )
-    ap.add_argument("inputs", nargs="+", help="text/JSONL/Parquet files, directories or globs")
+    ap.add_argument(
+        "inputs",
+        nargs="+",
+        help="files, folders or globs: text, JSON lines (either .gz or .zst too), Parquet, Arrow, "
+        "a datasets.save_to_disk folder",
+    )
     ap.add_argument("--out", required=True, help="output directory for shards and tokenizer")
-    ap.add_argument("--tokenizer", help="HF tokenizer.json (default: train a byte-level BPE)")
+    ap.add_argument(
+        "--tokenizer",
+        help="a Hugging Face tokenizer.json, or a local tokenizer folder holding one (default: "
+        "train a byte-level BPE)",
+    )
     ap.add_argument("--vocab-size", type=int, default=8_192, help="BPE size when training one")
     ap.add_argument("--val-every", type=int, default=50, help="every N-th document -> val")
     ap.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard")
     ap.add_argument("--workers", type=int, default=1, help="tokenising processes")
-    ap.add_argument("--text-key", default="text", help="JSONL field / Parquet column")
-    ap.add_argument("--eot-token", default=EOT, help="document separator token")
+    ap.add_argument("--text-key", default="text", help="the text field of a row-format input")
+    ap.add_argument("--split", default="train", help="the split of a saved DatasetDict")
+    ap.add_argument(
+        "--eot-token",
+        help="the document separator (default: the tokenizer's end-of-text token: "
+        "tokenizer_config.json's eos_token, else <|endoftext|>, <|end_of_text|>, </s>, <eos>)",
+    )
     ap.add_argument(
         "--min-doc-tokens",
         type=int,
@@ -283,18 +232,23 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.min_doc_tokens < 0:
         ap.error(f"--min-doc-tokens must be >= 0, got {args.min_doc_tokens}")
-    meta = prepare(
-        expand_inputs(args.inputs),
-        args.out,
-        tokenizer_path=args.tokenizer,
-        vocab_size=args.vocab_size,
-        val_every=args.val_every,
-        shard_tokens=args.shard_tokens,
-        workers=args.workers,
-        text_key=args.text_key,
-        eot_token=args.eot_token,
-        min_doc_tokens=args.min_doc_tokens,
-    )
+    try:
+        meta = prepare(
+            expand_inputs(args.inputs),
+            args.out,
+            tokenizer_path=args.tokenizer,
+            vocab_size=args.vocab_size,
+            val_every=args.val_every,
+            shard_tokens=args.shard_tokens,
+            workers=args.workers,
+            text_key=args.text_key,
+            eot_token=args.eot_token,
+            min_doc_tokens=args.min_doc_tokens,
+            split=args.split,
+        )
+    except (CorpusError, FileNotFoundError, ValueError) as e:  # what the user can fix
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(meta, indent=2))
     return 0
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
+from train.tokenizer_source import copy_companions
+
 
 def restart_aside(run_dir: Path, ckpt_dir: Path, say) -> None:
     """--restart: move the checkpoints and metrics into RUN_DIR/restarted-<time>/ (process 0)."""
@@ -29,14 +31,17 @@ def restart_aside(run_dir: Path, ckpt_dir: Path, say) -> None:
     multihost_utils.sync_global_devices("laplace: restart")
 
 
-def write_run_files(args, cfg, run_dir, tokenizer_src, mesh, layout, data: dict):
-    """config.json and the tokenizer copy (process 0); the checkpoint meta they share."""
+def write_run_files(args, cfg, run_dir, tokenizer_src, mesh, layout, data: dict, peak: dict):
+    """config.json and the tokenizer copy (process 0); the checkpoint meta they share. Beside the
+    three configs, config.json records what the run was given or measured (data, tokenizer,
+    mesh, batch, MFU's peak): `--config` reads the configs back and skips those."""
     tokenizer_ref = None
     main_proc = jax.process_index() == 0
     if tokenizer_src is not None:
         tokenizer_ref = str((run_dir / "tokenizer.json").absolute())
         if main_proc and Path(tokenizer_src).resolve() != Path(tokenizer_ref).resolve():
             shutil.copyfile(tokenizer_src, tokenizer_ref)
+            copy_companions(tokenizer_src, run_dir)  # tokenizer_config.json, ...: for the export
     B, A, M = layout
     run_config = {
         "model": cfg.model.to_dict(),
@@ -48,6 +53,7 @@ def write_run_files(args, cfg, run_dir, tokenizer_src, mesh, layout, data: dict)
         "mesh": dict(mesh.shape),
         "processes": jax.process_count(),
         "batch": {"sequences": B, "accum_steps": A, "micro_batch": M},
+        "peak": peak,
     }
     if main_proc:
         (run_dir / "config.json").write_text(json.dumps(run_config, indent=2))

@@ -10,29 +10,31 @@ import jax
 
 from laplace_jax.sharding import CONTEXT, param_axes
 from laplace_spec.config import ConfigError
-from train import cli, lost_peer
+from train import backend, cli, lost_peer
 from train.build import build_model, restore_or_init
 from train.checkpoint import Checkpointer
 from train.config import batch_layout
 from train.distributed import maybe_initialize_distributed
 from train.loop import Trainer
 from train.metrics import Metrics
-from train.peak import with_table_peak
+from train.peak import mesh_peak
 from train.pipelines import build_pipeline, doc_reset_eot, open_data, task_pipeline
 from train.profiling import StepTrace
 from train.run_dir import restart_aside, write_run_files
+from train.step import measure_matmul_flops
 
 
 def set_up(args) -> Trainer:
     """Configs, data, model, optimizer and state (restored or new), then the run files; prints
     the start-up lines. Nothing in the run directory changes before the restore has succeeded
     (but for what --restart moves aside, and corrupt checkpoints set aside by a restore)."""
+    platform = backend.select(args.platform)  # before JAX starts a backend
     maybe_initialize_distributed(args.distributed, args.heartbeat_timeout)
+    backend_note = backend.check(platform)  # an accelerator asked for and missing: ConfigError
     if jax.default_backend() == "neuron":
         jax.config.update("jax_default_prng_impl", "rbg")  # Threefry is not fully supported
     from laplace_jax.accounting import training_flops_per_token
     from laplace_jax.sharding import replicated_fallbacks
-    from train.step import measure_matmul_flops
 
     cfg = cli.resolve_configs(args)
     profile_steps = cli.parse_profile_steps(args.profile_steps)
@@ -42,12 +44,11 @@ def set_up(args) -> Trainer:
     ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else run_dir / "checkpoints"
     task = cli.parse_task_flag(args, cfg.model)
     if task is None:
-        train_paths, val_paths, tokenizer_src = open_data(args, cfg.model, main_proc)
+        train_paths, val_paths, tokenizer_src = open_data(args, cfg.model, main_proc, say)
     else:
         train_paths, val_paths, tokenizer_src = [], [], None
     mesh = cli.mesh_from_flag(args.mesh)
     check_context_groups(mesh)
-    cfg = with_table_peak(cfg, mesh)
     layout = batch_layout(
         cfg.train,
         cfg.model.seq_len,
@@ -81,13 +82,15 @@ def set_up(args) -> Trainer:
         ckpt.close()
         raise
 
+    peak, peak_note = mesh_peak(mesh, cfg.train.peak_flops, measure_matmul_flops)
     run_dir.mkdir(parents=True, exist_ok=True)
     data = {"train": train_paths, "val": val_paths, "train_tokens": train_tokens}
     if shares is not None:
         data["context_shares"] = shares
     if task is not None:
         data = {"task": task[0], "task_params": task[1], "train_tokens": train_tokens}
-    meta = write_run_files(args, cfg, run_dir, tokenizer_src, mesh, layout, data)
+    peak_record = {"flops_per_s": peak, "source": peak_note}
+    meta = write_run_files(args, cfg, run_dir, tokenizer_src, mesh, layout, data, peak_record)
     metrics = Metrics(run_dir, start, main_proc)
     trace = StepTrace(profile_steps, run_dir / "profile", main_proc, start, cfg.train.steps, say)
     if trace.note:
@@ -98,6 +101,7 @@ def set_up(args) -> Trainer:
             f"earlier run past its last checkpoint) moved to metrics.superseded.jsonl"
         )
     notes.extend(data_notes)
+    notes = [*([backend_note] if backend_note else []), backend.devices_line(), *notes, peak_note]
     fallbacks = replicated_fallbacks(cfg.model, mesh)
     if fallbacks:
         notes.append(replication_notice(fallbacks, mesh))
@@ -120,7 +124,7 @@ def set_up(args) -> Trainer:
         meta=meta,
         trace=trace,
         flops_per_token=training_flops_per_token(cfg.model),
-        peak=cfg.train.peak_flops or measure_matmul_flops(mesh),
+        peak=peak,
         no_bar=args.no_progress,
     )
     announce(t, args.config, train_tokens, [*cfg.notices, *notes])
@@ -168,5 +172,5 @@ def announce(t: Trainer, name: str, train_tokens: int, notes: list[str]) -> None
         f"{parameter_counts(m)['total_params'] / 1e6:.1f}M params; "
         f"mesh {cli.mesh_text(t.mesh)} ({jax.default_backend()}); "
         f"batch {B} x {m.seq_len} tokens (accum {A} x micro {M}); "
-        f"{train_tokens:,} training tokens; matmul peak {t.peak / 1e9:.1f} GFLOP/s"
+        f"{train_tokens:,} training tokens"
     )

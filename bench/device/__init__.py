@@ -21,9 +21,11 @@ processes also keep JAX and PyTorch from holding each other's GPU memory (each c
     train   the project's training step (`train.build.build_model`: `make_train_step`, bf16
             compute, fp32 master weights, Muon + AdamW, remat=layer, document resets at the EOT
             id) on Laplace 3B at seq 2,048 on one device, the largest micro-batch that fits
-            (compiled sizes checked by XLA's memory analysis, out-of-memory caught); tokens/s and
-            MFU against a bf16 matmul rate probed in the same rounds; headlines
-            `train_tokens_per_s_3b`, `train_mfu_3b`; reference: the write-up's per-chip figure
+            (compiled sizes checked by XLA's memory analysis, out-of-memory caught); tokens/s,
+            MFU against a bf16 matmul rate probed in the same rounds, and MFU against the device
+            kind's published peak (train/peak.py, as the trainer logs it; the kind is recorded);
+            headlines `train_tokens_per_s_3b`, `train_mfu_3b`, `train_mfu_published_peak_3b`;
+            reference: the write-up's per-chip figure
     decode  the PyTorch model (`serve/`) with Laplace 3B bf16 weights (random init) and fp32
             state for 1,280 sequences, `DecodeRunner` compiled (inductor) at that fixed width,
             greedy tokens fed back; eager rounds beside it; headline

@@ -23,9 +23,11 @@ from __future__ import annotations
 import functools
 import time
 
+import jax
 import numpy as np
 
 from bench.device.part import Part, is_out_of_memory, spread
+from train.peak import peak_flops_per_device
 
 EOT_ID = 50256  # GPT-2's end-of-text: the id the 3B recipe's data resets at (bench/results/plan)
 SAFETY = 0.9  # a compiled step may plan to use this share of the device's memory limit
@@ -275,10 +277,16 @@ class Trainer:
 def summarise(part: Part, rounds: list, tokens: int) -> None:
     keys = ("step_s", "tokens_per_s", "mfu", "bf16_matmul_flops_per_s")
     figures = {k: spread([r[k] for r in rounds]) for k in keys}
+    published = [r["mfu_published_peak"] for r in rounds if r["mfu_published_peak"] is not None]
+    if published:
+        figures["mfu_published_peak"] = spread(published)
     part.result.update(tokens_per_step=tokens, figures=figures)
     part.result["headline"] = {
         "train_tokens_per_s_3b": figures["tokens_per_s"]["median"],
         "train_mfu_3b": figures["mfu"]["median"],
+        "train_mfu_published_peak_3b": (
+            figures["mfu_published_peak"]["median"] if published else None
+        ),
     }
 
 
@@ -288,6 +296,13 @@ def run(part: Part) -> None:
     trainer = Trainer(size)
     part.result["config"] = trainer.describe()
     part.result["build_s"] = time.perf_counter() - t0
+    kind = jax.devices()[0].device_kind
+    published = peak_flops_per_device(kind)  # the trainer's MFU denominator, per device
+    part.result.update(device_kind=kind, published_peak_flops_per_s=published)
+    part.say(
+        f"device kind {kind!r}: published dense bf16 peak "
+        + ("not in train/peak.py's table" if published is None else f"{published / 1e12:g} TFLOP/s")
+    )
     bf16_matmul_flops(size["matmul_n"], 1)  # compile the probe before the state takes memory
     part.say(
         f"{size['preset']}: {trainer.n_params:,} parameters, memory limit "
@@ -322,7 +337,9 @@ def run(part: Part) -> None:
     )
     part.result["micro_batch"] = best
     if best is None:
-        part.result["headline"] = {"train_tokens_per_s_3b": None, "train_mfu_3b": None}
+        part.result["headline"] = dict.fromkeys(
+            ("train_tokens_per_s_3b", "train_mfu_3b", "train_mfu_published_peak_3b")
+        )
         part.skip("rounds", "no micro-batch size ran (see attempts)")
         part.finish("partial")
         return
@@ -343,6 +360,9 @@ def run(part: Part) -> None:
                 "tokens_per_s": tps,
                 "bf16_matmul_flops_per_s": rate,
                 "mfu": trainer.flops_per_token * tps / rate,
+                "mfu_published_peak": (
+                    trainer.flops_per_token * tps / published if published else None
+                ),
                 "loss": metrics["loss"],
                 "applied": metrics["applied"],
             }

@@ -18,7 +18,7 @@ BLOCK = re.compile(r"(<!-- report:([a-z0-9-]+) -->\n)(.*?)(<!-- /report -->)", r
 FACTS = {
     "29.5 MB": "the public write-up's state per sequence (docs/design.md s5)",
     "about 4.4 s": "the public write-up's measured 3B training step (docs/design.md s6)",
-    "166.75 TFLOP/s": "trn2 bf16 peak per logical core (train/peak.py PEAK_FLOPS)",
+    "166.75 TFLOP/s": "trn2 bf16 peak per logical core (train/peak.py NEURON_CORE_PEAK)",
     "1.28 TB/s": "NeuronLink-v3 bandwidth, the plan's assumption (train/plan.py TRN2)",
     "Python 3.11": "the supported interpreter (pyproject.toml)",
     "Neuron 2.33": "the Neuron SDK release for jax 0.10.0 (docs/design.md s1)",

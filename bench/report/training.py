@@ -1,4 +1,5 @@
-"""docs/training.md: the default run (bench.default_run)."""
+"""docs/training.md: the default run (bench.default_run) and train.prepare's memory on a large
+corpus (bench.prepare_memory)."""
 
 from __future__ import annotations
 
@@ -22,4 +23,17 @@ def default_run() -> str:
     )
 
 
-BLOCKS = {"default-run": default_run}
+def prepare_memory() -> str:
+    d = load("prepare_memory")
+    h = d["headline"]
+    return (
+        f"`python -m bench.prepare_memory` prepared a {h['corpus_gb']:g} GB JSON-lines corpus "
+        f"({d['corpus_rows']:,} documents, {d['tokens']:,} tokens) with `--workers "
+        f"{h['workers']}` in {minutes(d['wall_s'])}: the resident memory of the whole process "
+        f"tree peaked at {h['peak_rss_mib_total']:,.0f} MiB (the reading process "
+        f"{h['peak_rss_mib_parent']:,.0f} MiB, the largest worker "
+        f"{h['peak_rss_mib_largest_worker']:,.0f} MiB; `bench/results/prepare_memory.json`)."
+    )
+
+
+BLOCKS = {"default-run": default_run, "prepare-memory": prepare_memory}
