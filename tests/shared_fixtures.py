@@ -91,11 +91,11 @@ def start_early(items, tmp_path_factory) -> None:
 
 # The background queue's jobs (fixture -> its commands), in the order their tests run
 QUEUE_ORDER = (
+    "wide_vocab_run",
     "hybrid_recall_run",
     "compiled_hybrid_run",
     "mqar_task_runs",
     "compiled_varlen_run",
-    "wide_vocab_run",
 )
 
 

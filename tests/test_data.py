@@ -401,3 +401,42 @@ def test_json_lines_parse_only_the_text_field_and_take_rows_longer_than_a_block(
         f.flush()
         docs = list(iter_documents([f.name]))
     assert docs == [r["text"] for r in rows if "text" in r]
+
+
+# ---- a vocabulary past 65,536 ids from end to end ---------------------------------------------
+
+
+def test_a_150000_id_vocabulary_prepares_trains_exports_and_serves(wide_vocab_run):
+    """A 150,000-id Hugging Face tokenizer folder built here (tests/wide_vocab.py), a
+    gzip-compressed JSON-lines corpus, `train.prepare` -> `train.main` (`tiny` at vocab_size
+    150,016) -> `export.main` -> vLLM, each the real command in a subprocess of the background
+    queue. Before, prepare refused any tokenizer past 65,536 ids (uint16 shards), and a
+    `.jsonl.gz` was tokenised as its compressed bytes."""
+    import wide_vocab
+
+    from serve.generation import greedy_generate
+    from serve.modeling_laplace import LaplaceForCausalLM
+
+    root = wide_vocab_run
+    meta = json.loads((root / "shards" / "meta.json").read_text())
+    assert (meta["vocab_size"], meta["token_width"]) == (wide_vocab.VOCAB, "uint32")
+    assert meta["train_docs"] + meta["val_docs"] == 300  # the gzip file's rows, not one blob
+    paths = sorted((root / "shards").glob("train_*.bin"))
+    assert all(shards.read_header(p).width is shards.UINT32 for p in paths)
+    tokens = shards.load_tokens(paths[0])
+    assert tokens.min() >= 65_536  # every word and the end-of-text token sit past 65,535
+    assert tokens[0] == meta["eot_id"] == wide_vocab.VOCAB - 1  # tokenizer_config's eos_token
+
+    run = json.loads((root / "run" / "config.json").read_text())
+    assert run["model"]["vocab_size"] == 150_016
+    export = root / "export"
+    config = json.loads((export / "config.json").read_text())
+    assert (config["vocab_size"], config["eos_token_id"]) == (150_016, meta["eot_id"])
+
+    model = LaplaceForCausalLM.from_exported(export)
+    prompts = wide_vocab.prompts()
+    want = [greedy_generate(model, [p], wide_vocab.N_NEW)[0] for p in prompts]
+    got = json.loads((root / "vllm.json").read_text())
+    assert got["enforce_eager"] is True
+    assert got["calls"][0] == want
+    assert max(max(w) for w in want) >= 65_536  # the head's wide rows are what it predicts

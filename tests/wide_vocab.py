@@ -1,8 +1,8 @@
 """A tokenizer of more than 65,536 ids, built here with `tokenizers` (no installed package ships
 one, and tiktoken downloads its files), as a local Hugging Face tokenizer folder: a word-level
 vocabulary of VOCAB ids whose real words and end-of-text token all sit past 65,535, so every token
-of its text needs a uint32 shard. tests/test_data.py and the wide-vocabulary run of
-tests/test_wide_vocab.py use it.
+of its text needs a uint32 shard. tests/test_data.py uses it, and runs it from end to end
+(`commands`: the background queue's wide-vocabulary run).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def documents(n: int, seed: int = 0) -> list[str]:
 # ---- the wide-vocabulary run: prepare -> train -> export -> vLLM ------------------------------
 
 N_NEW = 24  # greedy tokens per prompt
-STEPS = 6
+STEPS = 2
 
 
 def prompts() -> list[list[int]]:
@@ -71,8 +71,8 @@ def commands(root: Path, env: dict) -> list[tuple[list[str], dict]]:
     train = [
         py, "-m", "train.main", "--config", "tiny", "vocab_size=150016", "--data",
         str(root / "shards" / "train_*.bin"), "--run-dir", str(root / "run"), "--mesh", "fsdp=1",
-        "--steps", str(STEPS), "--no-progress", "global_batch_tokens=256", "ckpt_every=6",
-        "eval_every=0", "sample_tokens=8", "sample_prompt=the quick",
+        "--steps", str(STEPS), "--no-progress", "global_batch_tokens=256", f"ckpt_every={STEPS}",
+        "eval_every=0", "sample_tokens=0",
     ]  # fmt: skip
     spec = compiled_engines.spec(root / "export", [prompts()], compile=False)
     return [
