@@ -132,6 +132,15 @@ def small_disk(tmp_path):
         yield where
 
 
+def _own_lines(stderr: str) -> list[str]:
+    """The lines of a run's stderr but XLA's complaint on loading a cached CPU program on an Intel
+    CPU: it checks LLVM's tuning flags (+prefer-no-gather, +prefer-no-scatter) as if they were
+    instruction sets, so every hit of the tests' compilation cache logs two lines there
+    (openxla/xla#44565); the program loads and runs."""
+    lines = stderr.strip().splitlines()
+    return [line for line in lines if "cpu_aot_loader.cc" not in line]
+
+
 def test_a_full_disk_stops_with_one_message_and_resumes_once_space_is_freed(
     shards,  # noqa: F811
     small_disk,
@@ -156,7 +165,7 @@ def test_a_full_disk_stops_with_one_message_and_resumes_once_space_is_freed(
     assert message in stderr, stderr[-3000:]
     assert f"Complete checkpoints: {', '.join(map(str, complete))}. Free some space" in stderr
     assert "Traceback" not in stderr, stderr[-3000:]
-    assert len(stderr.strip().splitlines()) <= 5, stderr
+    assert len(_own_lines(stderr)) <= 5, stderr
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == list(range(1, len(logged) + 1))
     assert len(logged) == failed  # the save comes after the step's line: nothing lost
