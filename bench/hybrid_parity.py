@@ -117,7 +117,7 @@ def greedy_everywhere(ckpt: Path, folders: dict, prompts, n: int) -> dict[str, l
         ("vllm_bf16", folders["bf16"], False),
     ):
         llm = make_llm(str(folder), max_num_seqs=4, compile=compile_)
-        out[key] = [o["token_ids"] for o in generate(llm, prompts, n)]
+        out[key] = [o["token_ids"] for o in generate(llm, prompts, n, ignore_eos=True)]
         del llm
     return out
 

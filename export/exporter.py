@@ -7,6 +7,10 @@ Folder layout written by `export_model`:
     model.safetensors              one file, or above `max_shard_bytes`:
     model-00001-of-0000N.safetensors + model.safetensors.index.json
     tokenizer.json, tokenizer_config.json, generation_config.json (copied or written)
+    chat_template.jinja            the tokenizer's, one given, or the plain default
+                                   (`write_chat_template`)
+    vllm_serve.yaml                vLLM's settings for it, whatever the platform (`vllm serve
+                                   FOLDER --config FOLDER/vllm_serve.yaml`; the adapter reads it)
     export_meta.json               where it came from (checkpoint dir, step, dtype)
     config.py, names.py, kernels.py,     Hugging Face remote code (`REMOTE_CODE`): config.json's
     configuration_laplace.py,            `auto_map` names the two classes, so any transformers
@@ -25,6 +29,7 @@ import math
 import re
 import shutil
 import struct
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,7 @@ from flax.traverse_util import flatten_dict
 from laplace_spec import names
 from laplace_spec.config import DEFAULT_SERVE_LENGTH, LaplaceConfig
 from laplace_spec.tokenizer_files import TOKENIZER_FILES, folder_end_of_text
+from laplace_spec.vllm_settings import vllm_settings, write_settings
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3  # 2 GiB per safetensors file, as HF writes them
 
@@ -280,18 +286,25 @@ def find_tokenizer_dir(checkpoint_dir: Path, meta: Mapping | None) -> Path | Non
     return None
 
 
-def copy_tokenizer(src: Path, out_dir: Path) -> dict[str, int | None]:
-    """Copy the tokenizer files; write tokenizer_config / generation_config when absent.
+def copy_tokenizer(
+    src: Path, out_dir: Path, chat_template: str | None = None
+) -> dict[str, int | None]:
+    """Copy the tokenizer files; write tokenizer_config / generation_config when absent, and the
+    chat template (`write_chat_template`).
 
     Returns the special token ids found (bos/eos/pad) for config.json.
     """
     if not (src / "tokenizer.json").is_file():
         raise ExportError(f"no tokenizer.json in {src}")
+    same = src.resolve() == out_dir.resolve()
     for fname in TOKENIZER_FILES:
-        if (src / fname).is_file():
+        if not same and (out_dir / fname).is_file() and fname != "tokenizer.json":
+            (out_dir / fname).unlink()  # an earlier export's, not this tokenizer's
+        if not same and (src / fname).is_file():
             shutil.copyfile(src / fname, out_dir / fname)
     eos = folder_end_of_text(out_dir)  # the rule train.prepare separated documents by
     eos_tok = eos[0] if eos else None
+    write_chat_template(out_dir, chat_template, eos_tok)
     ids = {"eos_token_id": eos[1] if eos else None, "bos_token_id": None}
     if not (out_dir / "tokenizer_config.json").is_file():
         tc = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30}
@@ -304,6 +317,56 @@ def copy_tokenizer(src: Path, out_dir: Path) -> dict[str, int | None]:
     return ids
 
 
+DEFAULT_CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
+
+
+def write_chat_template(out_dir: Path, template: str | None, eos_token: str | None) -> str:
+    """The folder's chat template, as transformers and vLLM read it (`chat_template.jinja` beside
+    tokenizer.json): `template` when given (it replaces the tokenizer's own), else the tokenizer's
+    own (a chat_template.jinja or tokenizer_config.json's `chat_template`), else
+    DEFAULT_CHAT_TEMPLATE, the plain role-tagged template of a base model, which separates turns
+    by the end-of-text token `eos_token` (none without one: said on stderr). Returns which."""
+    path = out_dir / "chat_template.jinja"
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    if template is None and (path.is_file() or config.get("chat_template")):
+        return "the tokenizer's"
+    if template is None and eos_token is None:
+        print(
+            "export: no chat template written: the plain one separates turns by the end-of-text "
+            "token, and this tokenizer has none (give --chat-template FILE)",
+            file=sys.stderr,
+        )
+        return "none"
+    if template is not None and "chat_template" in config:  # one template, not two
+        del config["chat_template"]
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
+    text = DEFAULT_CHAT_TEMPLATE.read_text() if template is None else template
+    check_chat_template(text, eos_token)
+    path.write_text(text)
+    return "given" if template is not None else "the plain default"
+
+
+def check_chat_template(text: str, eos_token: str | None) -> None:
+    """ExportError when `text` is not a Jinja template that renders a conversation, in the
+    environment transformers renders chat templates in (where jinja2 is installed: it comes with
+    transformers and vLLM)."""
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        return
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    try:
+        special = {} if eos_token is None else {"eos_token": eos_token}  # as transformers
+        env.from_string(text).render(messages=messages, add_generation_prompt=True, **special)
+    except jinja2.TemplateError as e:
+        raise ExportError(f"the chat template does not render a conversation: {e}") from e
+
+
 def export_model(
     cfg: LaplaceConfig,
     params: Mapping,
@@ -314,8 +377,10 @@ def export_model(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     max_len: int | None = None,
     source: Mapping | None = None,
+    chat_template: str | None = None,
 ) -> Path:
-    """Write a model folder from a Flax params tree (nested dict or flat `/` paths)."""
+    """Write a model folder from a Flax params tree (nested dict or flat `/` paths);
+    `chat_template` replaces the tokenizer's (`write_chat_template`)."""
     tensors = convert(cfg, params, dtype)  # checks everything before writing anything
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -324,9 +389,10 @@ def export_model(
     write_weights(out_dir, tensors, max_shard_bytes)
     ids: dict[str, int | None] = {}
     if tokenizer_dir is not None:
-        ids = copy_tokenizer(Path(tokenizer_dir), out_dir)
+        ids = copy_tokenizer(Path(tokenizer_dir), out_dir, chat_template)
     config = hf_config(cfg, dtype, ids, max_len or max(DEFAULT_SERVE_LENGTH, cfg.seq_len))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_settings(out_dir, vllm_settings(cfg, dtype))  # what vllm serve and the adapter read
     write_remote_code(out_dir)
     meta = {"dtype": dtype, "n_tensors": len(tensors), **dict(source or {})}
     (out_dir / "export_meta.json").write_text(json.dumps(meta, indent=2) + "\n")

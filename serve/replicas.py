@@ -142,15 +142,23 @@ def replica_binding(
 _DP_FLAGS = ("--data-parallel-size", "-dp")
 
 
-def resolve_replicas(args) -> None:
+def resolve_replicas(args, bind_cores: bool = True) -> None:
     """Settle args.data_parallel_size (ours or vLLM's flag through --vllm-arg, which is then
     taken out of the passthrough) and args.replica_bind (the VLLM_CPU_OMP_THREADS_BIND value to
-    set, or None to leave the environment alone). ValueError names the flag at fault."""
+    set, or None to leave the environment alone; always None without `bind_cores`: on a GPU
+    each replica takes its own device, vLLM's business). ValueError names the flag at fault."""
     passed, args.vllm_arg = _pop_data_parallel_size(list(args.vllm_arg))
     n = args.data_parallel_size
     if passed is not None and n is not None and passed != n:
         raise ValueError(f"--data-parallel-size {n} and --vllm-arg --data-parallel-size {passed}")
     args.data_parallel_size = n = n if n is not None else (passed if passed is not None else 1)
+    if not bind_cores:
+        if args.bind is not None or args.cpu_cores_per_replica is not None:
+            raise ValueError(
+                "--bind and --cpu-cores-per-replica bind CPU cores: on a GPU, drop them"
+            )
+        args.replica_bind = None
+        return
     bind, source = args.bind, "--bind"
     env = os.environ.get(BIND_ENV, "auto")
     if bind is None and args.cpu_cores_per_replica is None and env not in ("auto", ""):

@@ -6,18 +6,27 @@
     python -m serve.vllm_adapter --model exported/ --prompt "Once upon" --max-tokens 32 --json
 
 The model class is `serve/vllm_model.py`; it is registered by `serve/vllm_plugin.py` (the
-`vllm.general_plugins` entry point, so any vLLM process finds it; registered here too).
-Environment defaults (set only when unset): VLLM_CPU_KVCACHE_SPACE=1 (GiB of state pages),
-VLLM_CPU_NUM_OF_RESERVED_CPU=0 (the model may use every core).
+`vllm.general_plugins` entry point, so any vLLM process finds it, `vllm serve` too; registered
+here too). The export's platform-free settings are its `vllm_serve.yaml`
+(laplace_spec/vllm_settings.py), which `vllm serve FOLDER --config FOLDER/vllm_serve.yaml` reads
+as well; the rest are defaults per platform (vLLM's `current_platform`), each overridable by its
+flag:
 
-Defaults derived from the folder (each overridable by its flag):
-  --dtype         the export's dtype (config.json `torch_dtype`): a bf16 export is served with
-                  bf16 weights and activations; the recurrent state pages stay fp32 either way
-                  (vLLM's own --mamba-ssm-cache-dtype / --mamba-cache-dtype, through
-                  --vllm-arg, choose others: serve/vllm_model.py `state_dtypes`).
-  --max-num-seqs  as many sequences as the state page budget holds (`default_max_num_seqs`):
-                  floor(VLLM_CPU_KVCACHE_SPACE GiB / fp32 state bytes per sequence) - 1, at most
-                  2048 (half that with --enable-prefix-caching: two pages per running sequence).
+  --dtype           the export's (vllm_serve.yaml): a bf16 export is served with bf16 weights and
+                    activations; the recurrent state pages stay fp32 either way (vLLM's own
+                    --mamba-ssm-cache-dtype / --mamba-cache-dtype, through --vllm-arg, choose
+                    others: serve/vllm_model.py `state_dtypes`).
+  --compile/--eager on the CPU eager (exact, and no minute-long inductor compile at start); on a
+                    GPU compiled, with CUDA graphs (vLLM's default).
+  --max-num-seqs    on the CPU, as many sequences as the state page budget holds
+                    (`default_max_num_seqs`): floor(VLLM_CPU_KVCACHE_SPACE GiB, or vLLM's
+                    --kv-cache-memory-bytes given through --vllm-arg, / fp32 state bytes per
+                    sequence) - 1, at most 2048 (half that with --enable-prefix-caching:
+                    two pages per running sequence); on a GPU, vLLM's own (and its memory sizing,
+                    `--gpu-memory-utilization` through --vllm-arg).
+  environment       on the CPU, set only when unset: VLLM_CPU_KVCACHE_SPACE=1 (GiB of state
+                    pages; not with --kv-cache-memory-bytes, which it would override),
+                    VLLM_CPU_NUM_OF_RESERVED_CPU=0 (the model may use every core).
 
 Prefix caching of the recurrent state (`--enable-prefix-caching`, off by default): vLLM's
 `align` mode keeps the state at the last block boundary of each prompt (blocks of
@@ -27,7 +36,7 @@ left unset, vLLM 0.32's CPU platform makes it 128 in the engine process (platfor
 the state blocks were sized 16, so prefills are split at 128-token boundaries while hits are
 looked up at 16: the saved states rarely fall where later prompts look (no hits on most turns).
 
-Replicas: N whole engines behind one server (vLLM's data parallel on CPU), each on its own cores
+Replicas: N whole engines behind one server (vLLM's data parallel), on the CPU each on its own cores
 
     python -m serve.vllm_adapter --model exported/ --port 8000 --data-parallel-size 2
     # the cores of each replica given explicitly, '|'-separated (replica r takes the r-th list)
@@ -53,20 +62,58 @@ import runpy
 import sys
 from pathlib import Path
 
+from laplace_spec.vllm_settings import DTYPES, PREFIX_BLOCK_SIZE, read_settings
+from serve.parent_watch import watch_in_forked_children, watch_parent
 from serve.replicas import BIND_ENV, resolve_replicas
 from serve.state_store import offline, settings
 
-ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+if __name__ == "__mp_main__":  # this module, run again in a process the server spawned
+    watch_parent(os.getppid())  # (vLLM's DP coordinator loads no plugin: serve/parent_watch.py)
+
+ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # CPU only
 
 
-def set_env_defaults() -> None:
-    for k, v in ENV_DEFAULTS.items():
-        os.environ.setdefault(k, v)
+def serving_platform() -> str:
+    """vLLM's platform here (`current_platform.device_type`): "cpu", "cuda", ..."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
 
 
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+def set_env_defaults(platform: str, pages_sized: bool = False) -> None:
+    """The CPU's page budget and cores (vLLM's CPU backend reads them); nothing elsewhere. With
+    `pages_sized` (vLLM's --kv-cache-memory-bytes given) no page budget: vLLM's CPU backend
+    lets VLLM_CPU_KVCACHE_SPACE override that flag."""
+    if platform == "cpu":
+        for k, v in ENV_DEFAULTS.items():
+            if not (pages_sized and k == KV_SPACE_ENV):
+                os.environ.setdefault(k, v)
+
+
+KV_BYTES_FLAG = "--kv-cache-memory-bytes"  # vLLM's own size of the state/KV pages
+KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's CPU backend's, in GiB
+
+
+def pages_bytes_asked(vllm_args) -> int | None:
+    """vLLM's --kv-cache-memory-bytes given through --vllm-arg (None: not given). ValueError when
+    VLLM_CPU_KVCACHE_SPACE is set too: vLLM's CPU backend would take that one silently."""
+    for i, arg in enumerate(vllm_args):
+        if arg == KV_BYTES_FLAG and i + 1 < len(vllm_args):
+            value = vllm_args[i + 1]
+        elif arg.startswith(KV_BYTES_FLAG + "="):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
+        if os.environ.get(KV_SPACE_ENV):
+            raise ValueError(
+                f"{KV_BYTES_FLAG} and {KV_SPACE_ENV} both size the state pages (vLLM's CPU "
+                f"backend takes {KV_SPACE_ENV}): give one"
+            )
+        return settings.parse_bytes(value)
+    return None
+
+
 MAX_DEFAULT_SEQS = 2048
-PREFIX_BLOCK_SIZE = 32  # tokens per prefix-cache block (state checkpoint granularity)
 
 
 def _config(model) -> dict:
@@ -74,10 +121,12 @@ def _config(model) -> dict:
 
 
 def serving_dtype(model, dtype: str | None = None) -> str:
-    """The dtype served, float32 or bfloat16: `dtype` if given, else the export's own."""
+    """The dtype served, float32 or bfloat16: `dtype` if given, else the export's own (its
+    vllm_serve.yaml, or config.json for an export written before that file)."""
     if dtype in (None, "auto"):
         conf = _config(model)
-        dtype = str(conf.get("torch_dtype") or conf.get("dtype") or "float32")
+        dtype = read_settings(model).get("dtype")
+        dtype = str(dtype or conf.get("torch_dtype") or conf.get("dtype") or "float32")
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: Laplace serves {sorted(set(DTYPES.values()))}")
     return DTYPES[dtype]
@@ -85,7 +134,7 @@ def serving_dtype(model, dtype: str | None = None) -> str:
 
 def state_budget_bytes() -> int:
     """vLLM's CPU state/KV page budget: VLLM_CPU_KVCACHE_SPACE GiB (this adapter's default 1)."""
-    gib = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or ENV_DEFAULTS["VLLM_CPU_KVCACHE_SPACE"]
+    gib = os.environ.get(KV_SPACE_ENV) or ENV_DEFAULTS[KV_SPACE_ENV]
     return int(float(gib) * 2**30)
 
 
@@ -112,50 +161,67 @@ def engine_kwargs(
     *,
     max_model_len: int | None = None,
     max_num_seqs: int | None = None,
-    compile: bool = False,
+    compile: bool | None = None,
     seed: int = 0,
     dtype: str | None = None,
-    prefix_caching: bool = False,
+    prefix_caching: bool | None = None,
+    platform: str,
+    pages_bytes: int | None = None,
 ) -> dict:
-    """Engine arguments for a Laplace folder (fp32 state).
+    """Engine arguments for a Laplace folder (fp32 state) on `platform`.
 
-    dtype None/"auto": the export's dtype; max_num_seqs None: `default_max_num_seqs` (halved
-    with prefix caching). prefix_caching: vLLM's `align` mode with `PREFIX_BLOCK_SIZE` blocks;
-    off: one state page per sequence. A hybrid's KV blocks start from `PREFIX_BLOCK_SIZE` too.
+    The platform's defaults: on the CPU, eager (exact, and no minute-long inductor compile at
+    start) and max_num_seqs from the state page budget (`default_max_num_seqs`, halved with
+    prefix caching); elsewhere (CUDA, ...), vLLM's own: compiled with CUDA graphs, and its own
+    max_num_seqs and memory sizing (`gpu_memory_utilization`). `compile` and `max_num_seqs`
+    given override them. dtype None/"auto": the export's dtype. prefix_caching: vLLM's `align`
+    mode with `PREFIX_BLOCK_SIZE` blocks; off: one state page per sequence; None: the export's
+    vllm_serve.yaml (off). pages_bytes: vLLM's --kv-cache-memory-bytes when given (the CPU's
+    max_num_seqs is sized from it instead of VLLM_CPU_KVCACHE_SPACE). A hybrid's KV blocks
+    start from `PREFIX_BLOCK_SIZE` too.
     """
-    if prefix_caching and not max_num_seqs:  # align mode: up to 2 pages per running sequence
-        max_num_seqs = max(1, default_max_num_seqs(model) // 2)
+    if prefix_caching is None:
+        prefix_caching = bool(read_settings(model).get("enable-prefix-caching", False))
+    cpu = platform == "cpu"
+    if cpu and not max_num_seqs:
+        max_num_seqs = default_max_num_seqs(model, pages_bytes)
+        if prefix_caching:  # align mode: up to 2 pages per running sequence
+            max_num_seqs = max(1, max_num_seqs // 2)
     kw = dict(
         model=str(model),
         dtype=serving_dtype(model, dtype),
-        enforce_eager=not compile,
+        enforce_eager=not (compile if compile is not None else not cpu),
         enable_prefix_caching=prefix_caching,
-        max_num_seqs=max_num_seqs or default_max_num_seqs(model),
         seed=seed,
         skip_tokenizer_init=not (Path(model) / "tokenizer.json").is_file(),
     )
+    if max_num_seqs:
+        kw["max_num_seqs"] = max_num_seqs
     if prefix_caching:
         kw.update(mamba_cache_mode="align", block_size=PREFIX_BLOCK_SIZE)
     if _config(model).get("attention_every"):
         # a hybrid: vLLM raises the KV block from the size given until a block's keys and
         # values take at least one state page's bytes, and pads every state page to a block
         # (docs/design.md s13.4); from 32 tokens (not the CPU default of 128) the padding is
-        # at most 32 tokens' keys and values a page
-        kw["block_size"] = PREFIX_BLOCK_SIZE
+        # at most 32 tokens' keys and values a page (vllm_serve.yaml's block-size)
+        kw["block_size"] = int(read_settings(model).get("block-size", PREFIX_BLOCK_SIZE))
     if max_model_len:
         kw["max_model_len"] = max_model_len
     return kw
 
 
 def make_llm(model: str, **kwargs):
-    """A `vllm.LLM` for an exported folder (kwargs: see `engine_kwargs`, or any LLM arg)."""
-    set_env_defaults()
+    """A `vllm.LLM` for an exported folder (kwargs: see `engine_kwargs`, or any LLM arg), with
+    this platform's defaults."""
+    platform = serving_platform()
+    set_env_defaults(platform)
     from serve.vllm_plugin import register
 
     register()
     from vllm import LLM
 
-    ek = engine_kwargs(model, **{k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_KEYS})
+    chosen = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_KEYS}
+    ek = engine_kwargs(model, platform=platform, **chosen)
     return LLM(**{**ek, **kwargs})
 
 
@@ -163,7 +229,13 @@ _ENGINE_KEYS = ("max_model_len", "max_num_seqs", "compile", "seed", "dtype", "pr
 
 
 def state_store_config(
-    model, state_dir, capacity: int | None, dtype: str | None, engine_args=(), max_num_seqs=None
+    model,
+    state_dir,
+    capacity: int | None,
+    dtype: str | None,
+    engine_args=(),
+    max_num_seqs=None,
+    pages_bytes=None,
 ) -> dict:
     """The --kv-transfer-config of `--state-dir` (serve/state_store/), after its checks: a
     StateDirError names what is wrong (a hybrid, a folder that takes no file)."""
@@ -176,7 +248,7 @@ def state_store_config(
             "--state-dir stores a conversation as its recurrent state, and a hybrid's attention "
             "layers keep theirs as KV blocks that grow with the history: vLLM 0.32's offloading "
             "scheduler stores those block by block, not as one state per turn (docs/design.md "
-            "s10.3); serve a hybrid with --enable-prefix-caching"
+            "s10.1); serve a hybrid with --enable-prefix-caching"
         )
     root = settings.prepare_state_dir(state_dir)
     capacity = capacity or settings.default_capacity(root)
@@ -187,19 +259,34 @@ def state_store_config(
         file=sys.stderr,
         flush=True,
     )
-    seqs = engine_kwargs(model, max_num_seqs=max_num_seqs, prefix_caching=True)["max_num_seqs"]
+    # the CPU's sequences: the store runs on the CPU backend only (`settle`)
+    seqs = engine_kwargs(
+        model,
+        max_num_seqs=max_num_seqs,
+        prefix_caching=True,
+        platform="cpu",
+        pages_bytes=pages_bytes,
+    )["max_num_seqs"]
     return settings.kv_transfer_config(root, fp, capacity, spec.page_bytes_per_sequence(), seqs)
 
 
-def generate(llm, prompts, max_tokens: int, temperature: float = 0.0, seed: int | None = None):
-    """prompts: strings or lists of token ids. Returns one dict per prompt."""
+def generate(
+    llm,
+    prompts,
+    max_tokens: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    ignore_eos: bool = False,
+):
+    """prompts: strings or lists of token ids. Returns one dict per prompt. A completion stops
+    at the end-of-text token unless `ignore_eos` (fixed lengths: tests, benchmarks)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
         seed=seed,
-        ignore_eos=temperature == 0.0,
+        ignore_eos=ignore_eos,
         detokenize=llm.llm_engine.tokenizer is not None,
     )
     inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
@@ -216,14 +303,11 @@ def generate(llm, prompts, max_tokens: int, temperature: float = 0.0, seed: int 
     ]
 
 
-def serve(args) -> None:
-    """vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`), in this process."""
-    set_env_defaults()
-    from serve.vllm_plugin import register
-
-    register()
+def server_argv(args, platform: str) -> list[str]:
+    """The argument vector of vLLM's OpenAI server for the adapter's flags on `platform`
+    (`engine_kwargs`' defaults: the CPU's are set here, elsewhere vLLM keeps its own)."""
     # vLLM's own flag passed through --vllm-arg means the same as ours (with our block size)
-    prefix = (
+    asked = (
         args.enable_prefix_caching
         or "--enable-prefix-caching" in args.vllm_arg
         or args.state_store is not None
@@ -235,25 +319,16 @@ def serve(args) -> None:
         compile=args.compile,
         seed=args.seed,
         dtype=args.dtype,
-        prefix_caching=prefix,
+        prefix_caching=True if asked else None,  # else the export's setting
+        platform=platform,
+        pages_bytes=args.pages_bytes,
     )
-    argv = [
-        "--model",
-        ek["model"],
-        "--host",
-        args.host,
-        "--port",
-        str(args.port),
-        "--dtype",
-        ek["dtype"],
-        "--max-num-seqs",
-        str(ek["max_num_seqs"]),
-        "--served-model-name",
-        args.served_model_name or Path(args.model).resolve().name,
-        "--seed",
-        str(ek["seed"]),
-    ]
-    if prefix:
+    argv = ["--model", ek["model"], "--host", args.host, "--port", str(args.port)]
+    argv += ["--dtype", ek["dtype"], "--seed", str(ek["seed"])]
+    argv += ["--served-model-name", args.served_model_name or Path(args.model).resolve().name]
+    if "max_num_seqs" in ek:
+        argv += ["--max-num-seqs", str(ek["max_num_seqs"])]
+    if ek["enable_prefix_caching"]:
         argv += ["--enable-prefix-caching", "--mamba-cache-mode", "align"]
     else:
         argv.append("--no-enable-prefix-caching")
@@ -272,11 +347,21 @@ def serve(args) -> None:
         argv.append("--enable-prompt-tokens-details")
     if args.data_parallel_size > 1:  # one API server (this process), N engine processes
         argv += ["--data-parallel-size", str(args.data_parallel_size)]
-    sys.argv = ["vllm.entrypoints.openai.api_server", *argv, *args.vllm_arg]
-    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+    return [*argv, *args.vllm_arg]
 
 
-def main(argv=None) -> int:
+def serve(args, platform: str) -> None:
+    """vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`), in this process."""
+    set_env_defaults(platform, pages_sized=args.pages_bytes is not None)
+    from serve.vllm_plugin import register
+
+    register()
+    sys.argv = ["vllm.entrypoints.openai.api_server", *server_argv(args, platform)]
+    # alter_sys=False: `__main__` stays this module, which the processes vLLM spawns run again
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=False)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m serve.vllm_adapter",
         description=__doc__,
@@ -312,8 +397,22 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--compile",
+        dest="compile",
         action="store_true",
-        help="let vLLM torch.compile the model (default: eager, exact)",
+        default=None,
+        help="let vLLM compile the model (torch.compile; CUDA graphs on a GPU): the default on "
+        "a GPU",
+    )
+    ap.add_argument(
+        "--eager",
+        dest="compile",
+        action="store_false",
+        help="run the model eagerly (exact, and no compile at start): the default on the CPU",
+    )
+    ap.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="offline: generate --max-tokens tokens, past the end-of-text token",
     )
     ap.add_argument(
         "--enable-prefix-caching",
@@ -362,34 +461,52 @@ def main(argv=None) -> int:
         default=[],
         help="extra argument passed to vLLM's server (repeatable)",
     )
-    args = ap.parse_args(argv)
-    prompts: list = list(args.prompt)
-    prompts += [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt_ids]
-    try:
-        resolve_replicas(args)
-    except ValueError as e:
-        ap.error(str(e))
-    if prompts and args.data_parallel_size > 1:
-        ap.error(
+    return ap
+
+
+def settle(args, platform: str) -> argparse.Namespace:
+    """The parsed flags made whole for `platform`: `prompts`, the replicas and their cores, the
+    state store's connector settings. ValueError names the flag at fault."""
+    args.prompts = list(args.prompt)
+    args.prompts += [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt_ids]
+    resolve_replicas(args, bind_cores=platform == "cpu")
+    args.pages_bytes = pages_bytes_asked(args.vllm_arg)
+    if args.prompts and args.data_parallel_size > 1:
+        raise ValueError(
             "--data-parallel-size serves replicas in server mode only (vLLM 0.32 runs offline "
             "data parallel for MoE models only): drop --prompt/--prompt-ids"
         )
     args.state_store = None
+    if args.state_dir is not None and platform != "cpu":
+        raise ValueError(
+            f"--state-dir runs on vLLM's CPU backend, whose state pages are host memory that the "
+            f"store copies (serve/state_store/worker.py); on {platform} serve with "
+            f"--enable-prefix-caching"
+        )
     if args.state_dir is not None:
-        try:
-            capacity = args.state_dir_bytes and settings.parse_bytes(args.state_dir_bytes)
-            args.state_store = state_store_config(
-                args.model,
-                args.state_dir,
-                capacity,
-                args.dtype,
-                args.vllm_arg,
-                args.max_num_seqs,
-            )
-        except (ValueError, settings.StateDirError) as e:
-            ap.error(str(e))
+        capacity = args.state_dir_bytes and settings.parse_bytes(args.state_dir_bytes)
+        args.state_store = state_store_config(
+            args.model,
+            args.state_dir,
+            capacity,
+            args.dtype,
+            args.vllm_arg,
+            args.max_num_seqs,
+            args.pages_bytes,
+        )
     elif args.state_dir_bytes is not None:
-        ap.error("--state-dir-bytes sizes the store of --state-dir: give --state-dir too")
+        raise ValueError("--state-dir-bytes sizes the store of --state-dir: give --state-dir too")
+    return args
+
+
+def main(argv=None) -> int:
+    """Parse the flags, settle them for this platform, then serve or generate offline."""
+    ap = parser()
+    platform = serving_platform()
+    try:
+        args = settle(ap.parse_args(argv), platform)
+    except (ValueError, settings.StateDirError) as e:
+        ap.error(str(e))
     if args.replica_bind is not None:
         os.environ[BIND_ENV] = args.replica_bind
         print(
@@ -398,9 +515,15 @@ def main(argv=None) -> int:
             file=sys.stderr,
             flush=True,
         )
-    if not prompts:
-        serve(args)
+    watch_in_forked_children()  # the engines end with this process (serve/parent_watch.py)
+    if not args.prompts:
+        serve(args, platform)
         return 0
+    return generate_offline(args)
+
+
+def generate_offline(args) -> int:
+    """`--prompt`/`--prompt-ids`: one completion each, printed (`--json`: with token ids)."""
     store_args = {}
     if args.state_store is not None:  # serve/state_store/offline.py: the engine in this process
         offline.in_process()
@@ -412,10 +535,14 @@ def main(argv=None) -> int:
         compile=args.compile,
         seed=args.seed,
         dtype=args.dtype,
-        prefix_caching=args.enable_prefix_caching or args.state_store is not None,
+        # asked for, or the export's setting
+        prefix_caching=True if args.enable_prefix_caching or args.state_store else None,
         **store_args,
     )
-    for r in generate(llm, prompts, args.max_tokens, args.temperature, args.seed):
+    results = generate(
+        llm, args.prompts, args.max_tokens, args.temperature, args.seed, ignore_eos=args.ignore_eos
+    )
+    for r in results:
         if args.json:
             print(json.dumps(r), flush=True)
         else:

@@ -4,6 +4,10 @@ vLLM calls `register()` in every process it starts (API server, engine core, wor
 vLLM process finds the architecture of an exported folder's config.json: `LaplaceForCausalLM`, or
 `LaplaceHybridForCausalLM` for a hybrid (attention layers among the GLA layers).
 
+It also starts, in an engine or worker process vLLM spawned, the watch that ends it with the
+process that started it (serve/parent_watch.py: vLLM's engines outlived a server killed with
+SIGKILL).
+
 The model goes through vLLM's public `ModelRegistry`. Two more tables of vLLM 0.32 have no
 public registration call, and an out-of-tree state model still needs an entry in each (added
 only where absent; tests/test_vllm_model.py fails when either table is gone or no longer needed):
@@ -27,6 +31,10 @@ MODEL_TYPE = "laplace"
 
 
 def register() -> None:
+    from serve.parent_watch import watch_parent
+
+    watch_parent()  # an engine or worker ends with the process that started it
+
     from vllm import ModelRegistry
 
     import serve.configuration_laplace  # noqa: F401  registers model_type "laplace" (AutoConfig)

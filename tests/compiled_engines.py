@@ -65,7 +65,7 @@ def main(spec_path: str, out_path: str) -> None:
         "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
         "enable_chunked_prefill": config.scheduler_config.enable_chunked_prefill,
         "calls": [
-            [r["token_ids"] for r in generate(llm, prompts, spec["n_new"])]
+            [r["token_ids"] for r in generate(llm, prompts, spec["n_new"], ignore_eos=True)]
             for prompts in spec["calls"]
         ],
     }

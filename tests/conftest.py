@@ -37,11 +37,16 @@ from shared_fixtures import (  # noqa: E402, F401
     prefix_flag_server,
     readme_tour,
     replica_server,
+    spaces_export,
+    spaces_resume_server,
+    spaces_server,
+    spaces_state_dir,
     state_dir,
     store_server,
     tiny_export,
     tiny_hybrid_export,
     vllm_engine,
+    vllm_serve_server,
     wide_vocab_run,
 )
 

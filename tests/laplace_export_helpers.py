@@ -46,8 +46,20 @@ def corpus() -> str:
     return "\n".join(" ".join(rng.choice(words, 12)) for _ in range(400))
 
 
-def write_tokenizer(out_dir: Path, vocab_size: int) -> Path:
-    """A byte-level BPE trained on a generated text, saved as tokenizer.json."""
+def indented_corpus() -> str:
+    """Code-like lines indented by 4, 8 and 12 spaces: a BPE trained on it merges runs of
+    spaces into tokens of 2, 4 and 8."""
+    words = "def return if else for while self value item".split()
+    rng = np.random.default_rng(1)
+    lines = [
+        " " * (4 * int(rng.integers(1, 4))) + " ".join(rng.choice(words, 4)) for _ in range(400)
+    ]
+    return "\n".join(lines)
+
+
+def write_tokenizer(out_dir: Path, vocab_size: int, text: str | None = None) -> Path:
+    """A byte-level BPE trained on a generated text (`corpus()` unless given), saved as
+    tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -59,7 +71,7 @@ def write_tokenizer(out_dir: Path, vocab_size: int) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus().splitlines(), trainer)
+    tok.train_from_iterator((text or corpus()).splitlines(), trainer)
     assert tok.get_vocab_size() <= vocab_size
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
@@ -103,6 +115,29 @@ def export_tiny(root: Path, seed: int, attention_every: int = 0):
     tok = write_tokenizer(root / "tok", cfg.vocab_size)
     out = exporter.export_model(cfg, params, root / "model", tokenizer_dir=tok, max_len=1024)
     return cfg, params, out
+
+
+def export_spaces(root: Path, seed: int = 2):
+    """(cfg, params, export folder, the one-space token): the tiny model made to answer every
+    prompt with runs of spaces, its tokenizer one that merges runs of spaces (`indented_corpus`):
+    every embedding row the same large vector e and the LM head's column of the one-space token
+    along e, so after the final norm that token's logit dominates whatever the layers (random, as
+    `random_params`) add. 24 generated one-space tokens are text that encodes as 3 tokens of 8:
+    a client's copy of the reply never gives back the model's tokens."""
+    from tokenizers import Tokenizer
+
+    from export import exporter
+
+    cfg = tiny_config()
+    tok_dir = write_tokenizer(root / "tok", cfg.vocab_size, indented_corpus())
+    space = Tokenizer.from_file(str(tok_dir / "tokenizer.json")).token_to_id("\u0120")  # "Ġ"
+    params = random_params(cfg, seed=seed)
+    e = np.random.default_rng(seed).standard_normal(cfg.d_model).astype(np.float32)
+    e *= 20.0 / np.linalg.norm(e)
+    params["embed"]["embedding"] = np.tile(e, (cfg.vocab_size, 1))
+    params["lm_head"]["kernel"][:, space] = 50.0 * e / np.linalg.norm(e)
+    out = exporter.export_model(cfg, params, root / "model", tokenizer_dir=tok_dir, max_len=1024)
+    return cfg, params, out, space
 
 
 def free_port() -> int:

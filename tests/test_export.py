@@ -233,3 +233,26 @@ def test_a_hybrid_saved_before_its_scales_exports_and_loads_as_it_was(cfg, tmp_p
         with torch.no_grad():
             got = LaplaceForCausalLM.from_exported(out)(torch.from_numpy(tokens)).logits.numpy()
         assert np.abs(got - want).max() <= 1e-4, label
+
+
+def test_the_chat_template_written_with_an_export(tmp_path):
+    """export/exporter.py `write_chat_template`: the tokenizer's own is kept; --chat-template
+    replaces it (one template, not two: tokenizer_config.json's is removed), rendered as
+    transformers renders (a `{% break %}` needs its loop-controls extension); the plain default
+    needs an end-of-text token; a template that does not render is refused by name."""
+    from export.exporter import ExportError, write_chat_template
+
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    assert write_chat_template(tmp_path, None, "</s>") == "the tokenizer's"
+    assert not (tmp_path / "chat_template.jinja").exists()
+    given = "{% for m in messages %}{{ m['content'] }}{% break %}{% endfor %}"
+    assert write_chat_template(tmp_path, given, "</s>") == "given"
+    assert (tmp_path / "chat_template.jinja").read_text() == given
+    assert "chat_template" not in json.loads(config.read_text())
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert write_chat_template(bare, None, None) == "none"
+    assert write_chat_template(bare, None, "<|end_of_text|>") == "the plain default"
+    with pytest.raises(ExportError, match="does not render a conversation"):
+        write_chat_template(tmp_path / "bare", "{% for m in messages %}", "</s>")

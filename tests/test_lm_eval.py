@@ -173,7 +173,7 @@ def vllm_results(exported, task_dir, root, vllm_engine):
     from vllm.engine.arg_utils import EngineArgs
 
     from serve import lm_eval as laplace_lm_eval  # first: it imports lm-eval's vLLM backend
-    from serve.vllm_adapter import engine_kwargs
+    from serve.vllm_adapter import engine_kwargs, serving_platform
 
     backend = sys.modules["lm_eval.models.vllm_causallms"]
 
@@ -195,7 +195,7 @@ def vllm_results(exported, task_dir, root, vllm_engine):
             mp.setattr(module, "HF_HUB_OFFLINE", True)
         mp.setattr(datasets.config, "HF_DATASETS_CACHE", root / "datasets")
         laplace_lm_eval.main([*argv, "--include_path", str(task_dir), *task_args(root / "out")])
-    built = engine_kwargs(str(exported), max_num_seqs=8)
+    built = engine_kwargs(str(exported), max_num_seqs=8, platform=serving_platform())
     defining = ("model", "dtype", "enforce_eager", "enable_prefix_caching", "max_num_seqs")
     assert {k: asked.get(k) for k in defining} == {k: built[k] for k in defining}
     assert asked.get("tensor_parallel_size", 1) == 1 and asked.get("max_model_len") is None

@@ -45,13 +45,20 @@ def state_files(root: Path) -> set[Path]:
     return set(root.rglob(f"*{files.SUFFIX}"))
 
 
-def wait_for_new_file(root: Path, before: set[Path], timeout: float = 20) -> Path:
-    """The one state file written since `before` (the writer thread runs after the reply)."""
+def files_of_a_turn(prompt: int, total: int) -> int:
+    """How many files a turn leaves: the state at its prompt's last block boundary and the one
+    at its prompt and reply's (one file when they are the same boundary)."""
+    return len({boundary(prompt), boundary(total)})
+
+
+def wait_for_new_files(root: Path, before: set[Path], count: int, timeout: float = 20) -> set:
+    """The `count` state files written since `before` (the writer thread runs after the
+    reply)."""
     deadline = time.monotonic() + timeout
-    while not (new := state_files(root) - before) and time.monotonic() < deadline:
+    while len(new := state_files(root) - before) < count and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(new) == 1, new
-    return new.pop()
+    assert len(new) == count, new
+    return new
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +103,7 @@ def test_a_conversation_resumes_from_disk_after_a_stop_and_on_another_replica(
 
     rng = np.random.default_rng(5)
     base_a = f"http://127.0.0.1:{store_server.port}"
-    # turns 1-4 on the store server; each finished turn leaves one file
+    # turns 1-4 on the store server; each finished turn leaves its prompt's and its newest
     history, histories, files_of_turn, totals = [], [], [], []
     for k in range(4):
         before = state_files(state_dir)
@@ -106,15 +113,17 @@ def test_a_conversation_resumes_from_disk_after_a_stop_and_on_another_replica(
         history = prompt + reply
         histories.append(history)
         totals.append(len(history))
+        count = files_of_a_turn(len(prompt), len(history))
         if k < 3:
-            files_of_turn.append(wait_for_new_file(state_dir, before))
-    # stopped right after turn 4's reply: the write in flight is finished before it exits
+            files_of_turn.append(wait_for_new_files(state_dir, before, count))
+    # stopped right after turn 4's reply: the writes in flight are finished before it exits
     store_server.proc.send_signal(signal.SIGTERM)
     assert store_server.proc.wait(timeout=60) == 0
-    files_of_turn.append(wait_for_new_file(state_dir, before, timeout=0))
+    files_of_turn.append(wait_for_new_files(state_dir, before, count, timeout=0))
     assert not list(state_dir.rglob("*.tmp"))
-    root = files_of_turn[0].parent.parent  # state_dir/<store fingerprint>/
-    assert {p.parent.parent for p in files_of_turn} == {root} and root.stat().st_mode & 0o077 == 0
+    roots = {p.parent.parent for turn_files in files_of_turn for p in turn_files}
+    assert len(roots) == 1  # state_dir/<store fingerprint>/, its owner's only
+    assert roots.pop().stat().st_mode & 0o077 == 0
 
     # turn 5 on replica 0 of another server: from turn 4's state on disk
     base_b = replica_server.base
@@ -124,43 +133,45 @@ def test_a_conversation_resumes_from_disk_after_a_stop_and_on_another_replica(
     assert cached == boundary(totals[-1]) > 0
     history = prompt + reply
     totals.append(len(history))
-    wait_for_new_file(state_dir, before)
+    wait_for_new_files(state_dir, before, files_of_a_turn(len(prompt), len(history)))
 
     # turn 6 on replica 1, which never saw the conversation: from the state replica 0 wrote
     prompt, reply, cached = turn(base_b, history, rng, rank=1)
     assert reply == reference(prompt)
     assert cached == boundary(totals[-1])
 
-    # a corrupted file (turn 3's): removed with one warning, the prefix computed from turn 2's
-    # state instead, the same tokens
-    path = files_of_turn[2]
-    data = bytearray(path.read_bytes())
-    data[-100] ^= 0xFF
-    path.write_bytes(bytes(data))
+    # corrupted files (turn 3's): each removed with one warning, the prefix computed from turn
+    # 2's state instead, the same tokens
+    for path in files_of_turn[2]:
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF
+        path.write_bytes(bytes(data))
     prompt, reply, cached = turn(base_b, histories[2], rng, rank=0)
     assert reply == reference(prompt)
     assert cached == boundary(totals[1])
-    assert not path.exists()
-    # a truncated file (turn 2's): the same, from turn 1's state
-    path = files_of_turn[1]
-    path.write_bytes(path.read_bytes()[:-1000])
+    assert not any(path.exists() for path in files_of_turn[2])
+    # truncated files (turn 2's): the same, from turn 1's state
+    for path in files_of_turn[1]:
+        path.write_bytes(path.read_bytes()[:-1000])
     prompt, reply, cached = turn(base_b, histories[1], rng, rank=1)
     assert reply == reference(prompt)
     assert cached == boundary(totals[0])
-    assert not path.exists()
+    assert not any(path.exists() for path in files_of_turn[1])
     log = replica_server.log_path.read_text()
     warned = [line for line in log.splitlines() if "state store: removed" in line]
-    assert len(warned) == 2, warned
-    assert "checksum mismatch" in warned[0] and "truncated payload" in warned[1], warned
+    corrupted, truncated = len(files_of_turn[2]), len(files_of_turn[1])
+    assert len(warned) == corrupted + truncated, warned
+    assert all("checksum mismatch" in line for line in warned[:corrupted]), warned
+    assert all("truncated payload" in line for line in warned[corrupted:]), warned
 
 
 def test_a_server_killed_with_sigkill_leaves_states_another_server_resumes(
     killed_store_server, replica_server, state_dir, torch_model
 ):
     """A server killed with SIGKILL (its engine process too: no shutdown of any kind) right
-    after a reply, its file written or not: the next turn on another server resumes from the
-    newest whole state on disk (that reply's, or the turn's before) and gives the PyTorch
-    model's tokens; nothing half-written is read."""
+    after a reply, its files written or not: the next turn on another server resumes from the
+    newest whole state on disk (that reply's, its prompt's, or the turn's before) and gives the
+    PyTorch model's tokens; nothing half-written is read."""
     from shared_fixtures import descendants
 
     from serve.generation import greedy_generate
@@ -170,15 +181,16 @@ def test_a_server_killed_with_sigkill_leaves_states_another_server_resumes(
     before = state_files(state_dir)
     prompt, reply, _ = turn(base, [], rng)
     first = prompt + reply
-    wait_for_new_file(state_dir, before)
+    wait_for_new_files(state_dir, before, files_of_a_turn(len(prompt), len(first)))
     prompt, reply, cached = turn(base, first, rng)
     assert cached == boundary(len(first))
     second = prompt + reply
+    kept = (boundary(len(second)), boundary(len(prompt)), boundary(len(first)))
     for pid in [*descendants(killed_store_server.proc.pid), killed_store_server.proc.pid]:
         os.kill(pid, signal.SIGKILL)
     assert killed_store_server.proc.wait(timeout=30) == -signal.SIGKILL
     prompt, reply, cached = turn(replica_server.base, second, rng, rank=1)
-    assert cached in (boundary(len(second)), boundary(len(first))), cached
+    assert cached in kept, cached
     assert reply == greedy_generate(torch_model, [prompt], REPLY)[0]
 
 
@@ -470,13 +482,15 @@ def test_the_offline_mode_stores_its_last_states_before_it_exits(
     cmd = [sys.executable, "-m", "serve.vllm_adapter", "--model", str(tiny_export[2])]
     cmd += ["--state-dir", str(state_dir), "--max-model-len", "512", "--json"]
     cmd += ["--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(REPLY)]
+    cmd.append("--ignore-eos")  # REPLY tokens, as greedy_generate gives them
     env = {**START_ENV, **VLLM_ENV}  # a fresh command, not a child of a process that ran vLLM
     repo = Path(__file__).parents[1]
     run = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     row = json.loads([line for line in run.stdout.splitlines() if line.startswith("{")][0])
     assert row["token_ids"] == greedy_generate(torch_model, [prompt], REPLY)[0]
-    assert len(state_files(state_dir) - before) == 1  # written before the command returned
+    count = files_of_a_turn(len(prompt), len(prompt) + REPLY)
+    assert len(state_files(state_dir) - before) == count  # written before the command returned
     history = prompt + row["token_ids"]
     prompt2, reply, cached = turn(replica_server.base, history, rng, rank=0)
     assert cached == boundary(len(history))

@@ -84,11 +84,11 @@ def test_hf_generate_matches_jax(exported, prompts, reference):
 def test_vllm_greedy_matches_jax_batched_and_alone(llm, prompts, reference):
     from serve.vllm_adapter import generate
 
-    together = [r["token_ids"] for r in generate(llm, prompts, N_NEW)]
+    together = [r["token_ids"] for r in generate(llm, prompts, N_NEW, ignore_eos=True)]
     assert together == reference
     # alone, after the batch: pages are reused, so a fresh sequence must start from zeros
     for p, ref in zip(reversed(prompts), reversed(reference), strict=True):
-        assert generate(llm, [p], N_NEW)[0]["token_ids"] == ref
+        assert generate(llm, [p], N_NEW, ignore_eos=True)[0]["token_ids"] == ref
 
 
 def test_vllm_mixed_prefill_and_decode_steps(llm, prompts, reference):
@@ -98,7 +98,7 @@ def test_vllm_mixed_prefill_and_decode_steps(llm, prompts, reference):
 
     many = [prompts[1], prompts[0], prompts[2], prompts[0], prompts[1]]
     want = [reference[1], reference[0], reference[2], reference[0], reference[1]]
-    assert [r["token_ids"] for r in generate(llm, many, N_NEW)] == want
+    assert [r["token_ids"] for r in generate(llm, many, N_NEW, ignore_eos=True)] == want
 
 
 def _state_pages(worker):
@@ -145,15 +145,44 @@ def test_cli_offline_json(llm, exported, prompts, reference, monkeypatch, capsys
     monkeypatch.setattr(vllm_adapter, "make_llm", shared_engine)
     ids = ",".join(map(str, prompts[2]))
     argv = ["--model", str(exported[2]), "--prompt-ids", ids, "--prompt", "the quick brown"]
-    assert vllm_adapter.main([*argv, "--max-tokens", "8", "--temperature", "0", "--json"]) == 0
-    engine_args = dict(max_model_len=None, max_num_seqs=None, compile=False, seed=0)
-    assert built == dict(model=str(exported[2]), dtype="auto", prefix_caching=False, **engine_args)
+    flags = ["--max-tokens", "8", "--temperature", "0", "--ignore-eos", "--json"]
+    assert vllm_adapter.main([*argv, *flags]) == 0
+    engine_args = dict(max_model_len=None, max_num_seqs=None, compile=None, seed=0)
+    assert built == dict(model=str(exported[2]), dtype="auto", prefix_caching=None, **engine_args)
     out = capsys.readouterr().out
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(rows) == 2
     # text prompts first, then token-id prompts
     assert rows[0]["prompt"] == "the quick brown" and len(rows[0]["token_ids"]) == 8
     assert rows[1]["token_ids"] == reference[2][:8]
+
+
+def test_offline_greedy_stops_at_the_end_of_text_token(llm, exported):
+    """Offline generation stops at the end-of-text token, as the server does (before, greedy
+    offline generation ran past it: `ignore_eos` was on for every temperature-0 call);
+    `ignore_eos=True` gives fixed lengths. The prompts are found with the PyTorch model: random
+    ones whose greedy continuation reaches the end-of-text token within 48 tokens."""
+    from serve.generation import greedy_generate
+    from serve.modeling_laplace import LaplaceForCausalLM
+    from serve.vllm_adapter import generate
+
+    cfg, _, folder = exported
+    eos = json.loads((folder / "config.json").read_text())["eos_token_id"]
+    model = LaplaceForCausalLM.from_exported(folder)
+    rng = np.random.default_rng(3)
+    stopping = []
+    for _ in range(20):  # batches of 32 random prompts, until two reach the token
+        batch = [rng.integers(0, cfg.vocab_size, 9).tolist() for _ in range(32)]
+        for prompt, tokens in zip(batch, greedy_generate(model, batch, N_NEW), strict=True):
+            if eos in tokens and len(stopping) < 2:
+                stopping.append((prompt, tokens[: tokens.index(eos) + 1]))
+        if len(stopping) == 2:
+            break
+    assert len(stopping) == 2, "no random prompt's greedy continuation reached the token"
+    got = generate(llm, [p for p, _ in stopping], N_NEW)
+    assert [r["token_ids"] for r in got] == [want for _, want in stopping]
+    fixed = generate(llm, [p for p, _ in stopping], N_NEW, ignore_eos=True)
+    assert all(len(r["token_ids"]) == N_NEW for r in fixed)
 
 
 # ---- the OpenAI-compatible server (the session's 2-replica server) ---------------------------
@@ -314,9 +343,9 @@ def test_default_max_num_seqs_from_the_state_page_budget(llm, exported):
     assert llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == pages
     assert default_max_num_seqs(out) == min(pages - 1, MAX_DEFAULT_SEQS)
     assert default_max_num_seqs(out, budget_bytes=100 * per_seq) == 99
-    assert engine_kwargs(out)["max_num_seqs"] == default_max_num_seqs(out)
-    assert engine_kwargs(out, max_num_seqs=8)["max_num_seqs"] == 8
-    assert engine_kwargs(out)["dtype"] == "float32"
+    assert engine_kwargs(out, platform="cpu")["max_num_seqs"] == default_max_num_seqs(out)
+    assert engine_kwargs(out, max_num_seqs=8, platform="cpu")["max_num_seqs"] == 8
+    assert engine_kwargs(out, platform="cpu")["dtype"] == "float32"
 
 
 def test_server_argv_has_seed_dtype_and_skip_tokenizer_init(exported, tmp_path, monkeypatch):
@@ -335,6 +364,7 @@ def test_server_argv_has_seed_dtype_and_skip_tokenizer_init(exported, tmp_path, 
     seen = {}
     monkeypatch.setattr(runpy, "run_module", lambda *a, **k: seen.update(argv=list(sys.argv)))
     monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(vllm_adapter, "serving_platform", lambda: "cpu")  # the CPU's argv
     args = ["--model", str(bare), "--port", "1", "--seed", "7", "--dtype", "bf16"]
     assert vllm_adapter.main(args) == 0
     argv = seen["argv"]

@@ -139,11 +139,11 @@ def test_engine_kwargs_and_server_argv(exported, monkeypatch):
     from serve import vllm_adapter
 
     out = exported[1]
-    kw = vllm_adapter.engine_kwargs(out, prefix_caching=True)
+    kw = vllm_adapter.engine_kwargs(out, prefix_caching=True, platform="cpu")
     assert kw["enable_prefix_caching"] and kw["mamba_cache_mode"] == "align"
     assert kw["block_size"] == vllm_adapter.PREFIX_BLOCK_SIZE
     assert kw["max_num_seqs"] == vllm_adapter.default_max_num_seqs(out) // 2
-    assert not vllm_adapter.engine_kwargs(out)["enable_prefix_caching"]
+    assert not vllm_adapter.engine_kwargs(out, platform="cpu")["enable_prefix_caching"]
 
     seen = {}
     monkeypatch.setattr(runpy, "run_module", lambda *a, **k: seen.update(argv=list(sys.argv)))

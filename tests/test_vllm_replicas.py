@@ -86,7 +86,9 @@ def exported(tiny_export):
 
 
 def _server_argv(monkeypatch, args) -> list[str]:
-    """vllm_adapter.main(args) up to vLLM's server: the argv it would start it with."""
+    """vllm_adapter.main(args) up to vLLM's server on a CPU: the argv it would start it with
+    (the GPU's: tests/test_serving_platform.py)."""
+    monkeypatch.setattr(vllm_adapter, "serving_platform", lambda: "cpu")
     seen = {}
     monkeypatch.setattr(runpy, "run_module", lambda *a, **k: seen.update(argv=list(sys.argv)))
     monkeypatch.setattr(sys, "argv", list(sys.argv))

@@ -53,6 +53,7 @@ def state_store() -> str:
             ]
         )
     rep = d["replica"]
+    files = "/".join(sorted({f"{r['store_files']}" for r in d["rows"]}))
     return (
         f"`python -m bench.serve --agent-resume` (`bench/results/agent_resume.json`, "
         f"{d['machine']['cpu']}): `small` (random weights, eager); a history, a reply of "
@@ -73,8 +74,9 @@ def state_store() -> str:
             ],
             rows,
         )
-        + f"\n\nOn disk a conversation costs one state a turn "
-        f"({d['state_bytes_per_sequence'] / 2**10:,.0f} KiB each) however long it is; "
+        + f"\n\nOn disk a conversation costs at most two states a turn (at its prompt's last "
+        f"block boundary and its newest, {d['state_bytes_per_sequence'] / 2**10:,.0f} KiB "
+        f"each; here {files} files for its two turns) however long it is; "
         f"Llama's KV bytes (fp32, computed) grow with every token. Replica hand-over (a "
         f"2-replica server, turn 2 sent to the replica that did not serve turn 1): "
         f"{rep['cached_tokens']:,} tokens cached of an expected {rep['expected']:,}."

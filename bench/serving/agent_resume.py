@@ -4,8 +4,10 @@ the state store (`--state-dir`, serve/state_store/) against a cold re-prefill of
 For each history length H (`resume_histories`), with `python -m serve.vllm_adapter --state-dir`
 servers as a user starts them (subprocesses, eager, `small` with random weights):
     turn 1   a server takes an H-token history and replies (`resume_reply` greedy tokens); the
-             request's last state is written to the store; the server is stopped (SIGTERM)
-    restart  a new server on the same folder (`resume_rounds` times, each time anew)
+             request's states are written to the store (at its prompt's last block boundary and
+             its newest); the server is stopped (SIGTERM)
+    restart  a new server on the same folder (`resume_rounds` times, each time anew; the files
+             turn 2 wrote are removed before the next restart, which resumes from turn 1's)
     turn 2   history + reply + a new message (`resume_message` tokens), one new token: the
              request's time on the new server (after one unrelated 16-token request, which
              takes a fresh server's first-request costs), reading the state from disk
@@ -16,9 +18,9 @@ servers as a user starts them (subprocesses, eager, `small` with random weights)
 The ratio cold / store is taken round by round (median and range). Bytes on disk per
 conversation: every file its requests left (the warm-up and cold requests store nothing:
 vLLM's per-request `max_offload_tokens` 0); Llama's: its fp32 KV bytes for the same tokens,
-computed (the store keeps one state per finished request, which an attention model does not
-have). The replica row: a 2-replica server, turn 1 on replica 0, turn 2 on replica 1 (vLLM's
-`X-data-parallel-rank` header).
+computed (the store keeps at most two states per finished request, which an attention model
+does not have). The replica row: a 2-replica server, turn 1 on replica 0, turn 2 on replica 1
+(vLLM's `X-data-parallel-rank` header).
 """
 
 from __future__ import annotations
@@ -130,8 +132,10 @@ def run_agent_resume(cfg, sz, model_dir: Path, max_len: int, llama_kv_per_token:
             before = _store_files(root) if root.exists() else {}
             server = _Server(model_dir, max_len, root, log)
             _, reply, _ = server.ask(prompt1, sz.resume_reply)
-            _wait_for_files(root, before, 1)
+            turn1 = len({(history - 1) // BLOCK, (history + len(reply) - 1) // BLOCK})
+            _wait_for_files(root, before, turn1)  # the prompt's state and the newest
             server.stop()
+            turn1_files = _store_files(root)
             message = rng.integers(3, cfg.vocab_size, sz.resume_message).tolist()
             prompt2 = prompt1 + reply + message
             store_s, cold_s, cached, equal = [], [], [], []
@@ -141,11 +145,14 @@ def run_agent_resume(cfg, sz, model_dir: Path, max_len: int, llama_kv_per_token:
                 t_store, out_store, hit = server.ask(prompt2, 1)
                 t_cold, out_cold, _ = server.ask(prompt2, 1, salt=f"cold-{history}-{r}")
                 server.stop()  # its writes finish first
+                turn2 = {p: n for p, n in _store_files(root).items() if p not in turn1_files}
+                for path in turn2:  # the next restart resumes from turn 1's states again
+                    path.unlink()
                 store_s.append(t_store)
                 cold_s.append(t_cold)
                 cached.append(hit)
                 equal.append(out_store == out_cold)
-            written = {p: n for p, n in _store_files(root).items() if p not in before}
+            written = {p: n for p, n in turn1_files.items() if p not in before} | turn2
             ratios = [c / s for c, s in zip(cold_s, store_s, strict=True)]
             rows.append(
                 {
@@ -163,7 +170,8 @@ def run_agent_resume(cfg, sz, model_dir: Path, max_len: int, llama_kv_per_token:
                         "max": max(ratios),
                         "samples": ratios,
                     },
-                    # the conversation's files: turn 1's, turn 2's (the same state each round)
+                    # the conversation's files: each turn's prompt end and newest (turn 2's as
+                    # one round wrote them; each round's are removed before the next restart)
                     "store_files": len(written),
                     "store_bytes": sum(written.values()),
                     "llama_kv_bytes": llama_kv_per_token * (len(prompt2) + 1),

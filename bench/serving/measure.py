@@ -390,4 +390,4 @@ def greedy_tokens(llm, vocab: int, sz: Sizes) -> list[list[int]]:
     prompts = [
         rng.integers(1, vocab, int(n)).tolist() for n in np.linspace(16, 300, sz.exact_prompts)
     ]
-    return [o["token_ids"] for o in generate(llm, prompts, sz.exact_tokens)]
+    return [o["token_ids"] for o in generate(llm, prompts, sz.exact_tokens, ignore_eos=True)]

@@ -71,12 +71,16 @@ def make_budget_llm(
     adapter's own pieces (plugin, `engine_kwargs`) are used directly."""
     from vllm import LLM
 
-    from serve.vllm_adapter import engine_kwargs
+    from serve.vllm_adapter import engine_kwargs, serving_platform
     from serve.vllm_plugin import register
 
     register()
     kw = engine_kwargs(
-        str(model_dir), max_model_len=max_len, max_num_seqs=max_num_seqs, compile=compile
+        str(model_dir),
+        max_model_len=max_len,
+        max_num_seqs=max_num_seqs,
+        compile=compile,
+        platform=serving_platform(),
     )
     saved = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     try:

@@ -1,4 +1,4 @@
-"""One stored state on disk: a small header, then the state's raw bytes (docs/design.md s10.3).
+"""One stored state on disk: a small header, then the state's raw bytes (docs/design.md s10.1).
 
     offset  size  field
     0       8     magic b"LPSTATE\\x00"

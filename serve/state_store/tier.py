@@ -1,16 +1,26 @@
-"""The state store's disk tier: each finished request's last state, one file each, LRU-capped.
+"""The state store's disk tier: two states of each finished request, one file each, LRU-capped.
 
 A vLLM secondary tier (`SecondaryTierManager`, run by vLLM's `TieringOffloadingManager` in the
 scheduler process, below its host-memory primary tier). What vLLM offers it, and what it does:
 
+    lookup(key)          HIT when the key's file exists (any process may have written it). vLLM
+                         looks up only a prompt's boundaries (those past what its own cache
+                         holds, from the right): the furthest one asked is remembered as the
+                         request's prompt end
     submit_store(keys)   a state the engine reached at a block boundary of a running request
                          (every 32 tokens of a reply too: `--prefix-cache-retention-interval`),
-                         already in the primary tier: copied into this request's slot, replacing
-                         the one before (nothing is written yet)
-    on_request_finished  the request's slot (its last boundary: prompt and reply) is written, by
-                         one writer thread, as one file (`files.py`): one file per finished request,
-                         so a conversation's bytes on disk grow with its turns, not its length
-    lookup(key)          HIT when the key's file exists (any process may have written it)
+                         already in the primary tier: kept in one of the request's two slots,
+                         the newest, and the newest at or before its prompt end (nothing is
+                         written yet). A request vLLM looked nothing up for (the engine held
+                         its whole prompt: the same prompt again) keeps the newest alone; its
+                         prompt's state is on disk where the request that computed it kept it
+    on_request_finished  the two slots (the prompt's last boundary, and the last boundary of
+                         prompt and reply) are written, by one writer thread, as one file each
+                         (`files.py`; one when they are the same state): a conversation's bytes
+                         on disk grow with its turns, not its length. The next turn's prompt
+                         always shares the first, whatever tokens its client's copy of the reply
+                         becomes; it shares the second where the reply's text encodes to the
+                         tokens the model generated
     submit_load(keys)    one reader thread fills the primary tier's chunk from the file; a file
                          that fails a check is removed with one warning and the job fails, so vLLM
                          counts a miss and the request computes its prefix instead
@@ -75,7 +85,9 @@ class StateFileTier(SecondaryTierManager):
         self._rows = primary_kv_view.cast("B")  # the primary tier's chunks, back to back
         config = offloading_spec.config  # a chunk's state bytes (the rest of a row is padding)
         self.state_bytes = config.worker_kv_bytes_per_block * config.parallel.world_size
-        self._latest: dict[str, tuple[int, OffloadKey, bytes]] = {}  # req id -> (end, key, state)
+        # req id -> its kept states: "newest" and "prompt", each (end token, key, state bytes)
+        self._kept: dict[str, dict[str, tuple[int, OffloadKey, bytes]]] = {}
+        self._prompt_end: dict[str, int] = {}  # req id -> the prompt's last reachable boundary
         self._finished: list[JobResult] = []
         self._lock = threading.Lock()  # _finished and _files, shared with the threads
         self._loads: set[Future] = set()
@@ -136,23 +148,44 @@ class StateFileTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT when the key's file exists. Every key vLLM looks up is a prompt boundary (before
+        the request stores anything): the furthest is kept as the request's prompt end, so that
+        `submit_store` knows which offered state the next turn's prompt shares."""
+        end = req_context.get_offload_key_position(key)
+        req = req_context.req_id
+        if end is not None and req not in self._kept:
+            self._prompt_end[req] = max(end, self._prompt_end.get(req, 0))
         return LookupResult.HIT if files.state_path(self.root, key).is_file() else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        """Keep the request's newest state (by the token it ends at); write nothing yet."""
+        """Keep two of the request's states (by the token each ends at), writing nothing yet: the
+        newest, and the newest at or before its prompt end, which the next turn's prompt shares
+        however the reply's text is tokenised again."""
         ctx = job_metadata.req_context
+        kept = self._kept.setdefault(ctx.req_id, {})
+        prompt_end = self._prompt_end.get(ctx.req_id)
         for key, chunk in zip(job_metadata.keys, job_metadata.chunk_ids, strict=True):
             end = ctx.get_offload_key_position(key)  # None: unknown, taken as the newest
-            held = self._latest.get(ctx.req_id)
-            if held is None or end is None or end >= held[0]:
-                self._latest[ctx.req_id] = (end or 0, key, bytes(self._row(chunk)))
+            state = None
+            for slot, fits in (
+                ("newest", True),
+                ("prompt", end is not None and prompt_end is not None and end <= prompt_end),
+            ):
+                held = kept.get(slot)
+                if fits and (held is None or end is None or end >= held[0]):
+                    state = state or bytes(self._row(chunk))
+                    kept[slot] = (end or 0, key, state)
         with self._lock:
             self._finished.append(JobResult(job_metadata.job_id, True))
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        held = self._latest.pop(req_context.req_id, None)
-        if held is not None and self._storing:
-            _, key, state = held
+        """Write the request's kept states: at most two files a turn (one when its prompt's
+        state is its newest)."""
+        kept = self._kept.pop(req_context.req_id, {})
+        self._prompt_end.pop(req_context.req_id, None)
+        if not self._storing:
+            return
+        for _, key, state in {held[1]: held for held in kept.values()}.values():
             future = self._writer.submit(self._write, key, state)
             self._writes.add(future)
             future.add_done_callback(self._writes.discard)
