@@ -25,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import background
@@ -291,6 +292,20 @@ def descendants(pid: int) -> list[int]:
         return []
 
 
+def running(pids) -> list[int]:
+    """Those of `pids` still running (a zombie has ended)."""
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def _start_replica_server(folder: Path, state_dir: Path) -> Job:
     """`python -m serve.vllm_adapter` as a user starts it, 2 replicas of 1 core each
     (`--data-parallel-size 2 --cpu-cores-per-replica 1`), max-model-len 512, 4 sequences per
@@ -440,14 +455,20 @@ def vllm_dist_info(root: Path) -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
-def vllm_serve_server(tiny_export):
-    """(base URL, Job) of `_start_vllm_serve`'s server, started early."""
-    job = EARLY.pop("vllm_serve_server", None) or _start_vllm_serve(tiny_export[2])
+def _served(name: str, start):
+    """The body of a server fixture: the server `name` started early (else `start()` now),
+    yielded as (base URL, Job) once it answers, stopped at the session's end."""
+    job = EARLY.pop(name, None) or start()
     try:
         yield wait_for_server(job.proc, job.port, job.log_path), job
     finally:
         stop_server(job.proc)
+
+
+@pytest.fixture(scope="session")
+def vllm_serve_server(tiny_export):
+    """(base URL, Job) of `_start_vllm_serve`'s server, started early."""
+    yield from _served("vllm_serve_server", partial(_start_vllm_serve, tiny_export[2]))
 
 
 def _start_spaces_server(folder: Path, state_dir: Path, replicas: int) -> Job:
@@ -485,26 +506,17 @@ def spaces_state_dir(spaces_export) -> Path:
 def spaces_server(spaces_export):
     """(base URL, Job) of the 2-replica spaces server, started early; the test that uses it
     kills it with SIGKILL."""
-    job = EARLY.pop("spaces_server", None) or _start_spaces_server(
-        spaces_export[2], EARLY["spaces_states"], replicas=2
-    )
-    try:
-        yield wait_for_server(job.proc, job.port, job.log_path), job
-    finally:
-        stop_server(job.proc)
+    folder, states = spaces_export[2], EARLY["spaces_states"]
+    yield from _served("spaces_server", partial(_start_spaces_server, folder, states, replicas=2))
 
 
 @pytest.fixture(scope="session")
 def spaces_resume_server(spaces_export):
     """(base URL, Job) of another spaces server on the same folder (one engine), started early:
     after the first is killed, it goes on with the conversations from their files."""
-    job = EARLY.pop("spaces_resume_server", None) or _start_spaces_server(
-        spaces_export[2], EARLY["spaces_states"], replicas=1
-    )
-    try:
-        yield wait_for_server(job.proc, job.port, job.log_path), job
-    finally:
-        stop_server(job.proc)
+    folder, states = spaces_export[2], EARLY["spaces_states"]
+    start = partial(_start_spaces_server, folder, states, replicas=1)
+    yield from _served("spaces_resume_server", start)
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import psutil
 import pytest
-from shared_fixtures import descendants
+from shared_fixtures import descendants, running
 
 from serve.vllm_adapter import PREFIX_BLOCK_SIZE as BLOCK
 
@@ -178,18 +177,6 @@ def test_replies_that_tokenize_anew_resume_from_their_prompts_after_a_sigkill(
         cached = list(pool.map(lambda c: turn(base_b, c), range(8)))
     for c in range(8):
         assert len(prompts[c][1]) - BLOCK <= cached[c] <= len(prompts[c][1]), c
-
-
-def running(pids) -> list[int]:
-    """Those of `pids` still running (a zombie has ended)."""
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def settled_files(root, quiet: float = 2.0, timeout: float = 30) -> int:

@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
+from shared_fixtures import running
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,13 +28,6 @@ time.sleep(120)
 """
 
 
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def forked_child_after_sigkill(mode: str, wait_s: float) -> bool:
     """Start a 'server' that forks a sleeping child, SIGKILL the server: whether the child is
     still running `wait_s` later (it is ended either way)."""
@@ -45,12 +38,12 @@ def forked_child_after_sigkill(mode: str, wait_s: float) -> bool:
     os.kill(server.pid, signal.SIGKILL)
     server.wait(timeout=10)
     deadline = time.monotonic() + wait_s
-    while alive(child) and time.monotonic() < deadline:
+    while running([child]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    running = alive(child)
-    if running:
+    still = bool(running([child]))
+    if still:
         os.kill(child, signal.SIGKILL)
-    return running
+    return still
 
 
 @pytest.mark.parametrize("mode", ["hook", "none"])
