@@ -41,6 +41,7 @@ POLL_S = 0.5
 GRACE_S = 3.0
 _started = False
 _hooked = False
+_forker: int | None = None  # in a forked child: the pid of the process that forked it
 
 
 def watch_parent(parent_pid: int | None = None) -> bool:
@@ -63,13 +64,20 @@ def watch_in_forked_children() -> None:
     global _hooked
     if not _hooked:
         _hooked = True
-        os.register_at_fork(after_in_child=_watch_after_fork)
+        os.register_at_fork(before=_note_forker, after_in_child=_watch_after_fork)
+
+
+def _note_forker() -> None:
+    """In the parent, just before the fork: its pid, which the child inherits (the child's own
+    os.getppid() would already name init if the parent died before the child's first step)."""
+    global _forker
+    _forker = os.getpid()
 
 
 def _watch_after_fork() -> None:
     global _started
     _started = False  # a new process: the parent's watch (if any) did not come with the fork
-    watch_parent(os.getppid())
+    watch_parent(_forker)
 
 
 def _watch(parent_pid: int) -> None:
