@@ -10,6 +10,11 @@
 2. Newton-Schulz FLOPs as a share of a training step's (6 x parameters x 524,288 tokens, the
    write-up's count), and what one device executes in each mode.
 3. `small` on 8 devices: optimizer-step time of `gather` and `a2a`, alternated in one run.
+4. One arithmetic for every layout: 20 training steps of `small` on fsdp=8 in each mode
+   (`single`, `gather`, `a2a`) from one initialisation on one stream of random token batches;
+   every logged loss and every final parameter compared bit for bit. And what the fixed order
+   costs: one device's Newton-Schulz over `small`'s matrices in the tiled arithmetic every mode
+   runs against the whole-matrix definition, alternated.
 
 Writes bench/results/muon.json.
 """
@@ -35,7 +40,9 @@ import numpy as np  # noqa: E402
 from bench.common import write_result  # noqa: E402
 from laplace_jax import hlo, muon_accounting  # noqa: E402
 from laplace_jax.accounting import parameter_counts, training_flops_per_token  # noqa: E402
-from laplace_jax.model import abstract_params, init_params  # noqa: E402
+from laplace_jax.model import LaplaceLM, abstract_params, init_params  # noqa: E402
+from laplace_jax.muon_tiles import ns_grouped  # noqa: E402
+from laplace_jax.newton_schulz import newton_schulz  # noqa: E402
 from laplace_jax.optim import (  # noqa: E402
     OPTIMIZER_PRESETS,
     make_optimizer,
@@ -44,6 +51,8 @@ from laplace_jax.optim import (  # noqa: E402
 )
 from laplace_jax.sharding import abstract_with_shardings, make_mesh, param_shardings  # noqa: E402
 from laplace_spec.config import PRESETS  # noqa: E402
+from train.config import build_optimizer, optimizer_config  # noqa: E402
+from train.step import make_train_step  # noqa: E402
 
 TOKENS_PER_STEP = 524_288  # 256 x 2,048 (docs/design.md s4)
 
@@ -171,10 +180,87 @@ def time_small(repeats: int) -> dict:
     }
 
 
+def train_small_in_each_mode(steps: int) -> dict:
+    """`steps` training steps of `small` on fsdp=8 in every mode: losses and bitwise equality
+    of every loss and every final parameter with `single`'s."""
+    cfg = PRESETS["small"]
+    mesh = make_mesh(8)
+    shard = param_shardings(cfg, mesh)
+    host = jax.device_get(init_params(cfg, jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    batches = [
+        rng.integers(0, cfg.vocab_size, (1, 8, cfg.seq_len + 1)).astype(np.int32)
+        for _ in range(steps)
+    ]
+    runs = {}
+    for mode in ("single", "gather", "a2a"):
+        opt, _ = optimizer_config("small", {}, [f"muon_mode={mode}"], steps)
+        abstract = abstract_with_shardings(abstract_params(cfg), shard)
+        tx, schedule, opt_shard = build_optimizer(opt, abstract, shard, mesh)
+        train_step, _ = make_train_step(LaplaceLM(cfg), tx, mesh, shard, opt_shard, 1.0, schedule)
+        params = jax.device_put(host, shard)
+        state = {
+            "params": params,
+            "opt_state": jax.jit(tx.init, out_shardings=opt_shard)(params),
+            "bad_streak": jnp.zeros((), jnp.int32),
+        }
+        losses, t0 = [], time.perf_counter()
+        for batch in batches:
+            state, metrics = train_step(state, batch)
+            losses.append(float(metrics["loss"]))
+        runs[mode] = (losses, jax.device_get(state["params"]), time.perf_counter() - t0)
+        print(f"  small, fsdp=8, {mode:>6}: losses {losses[0]:.6f} .. {losses[-1]:.6f}")
+    ref_losses, ref_params, _ = runs["single"]
+    out = {"steps": steps, "losses": {m: r[0] for m, r in runs.items()}}
+    for mode in ("gather", "a2a"):
+        losses, params, _ = runs[mode]
+        same = jax.tree.leaves(jax.tree.map(np.array_equal, params, ref_params))
+        out[f"{mode}_losses_equal_single"] = losses == ref_losses
+        out[f"{mode}_params_equal_single"] = all(same)
+        out[f"{mode}_leaves_differing"] = len(same) - sum(same)
+    out["seconds"] = {m: r[2] for m, r in runs.items()}
+    return out
+
+
+def time_fixed_order(repeats: int) -> dict:
+    """One device, `small`'s Muon matrices: Newton-Schulz in the tiled arithmetic every mode
+    runs against the whole-matrix definition, alternated; the ratio tiled / whole per round."""
+    cfg = PRESETS["small"]
+    plan = muon_plan(OPTIMIZER_PRESETS["small"], abstract_params(cfg))
+    rng = np.random.default_rng(1)
+    grads = {p: jnp.asarray(rng.standard_normal(s), jnp.float32) for p, s in plan.shapes.items()}
+
+    def whole(g):
+        return {p: newton_schulz(x, plan.ns_steps, plan.dtype) for p, x in g.items()}
+
+    def tiled(g):
+        return ns_grouped(g, plan.widths, plan.ns_steps, plan.dtype)
+
+    fns = {"tiled": jax.jit(tiled), "whole": jax.jit(whole)}
+    for fn in fns.values():
+        jax.block_until_ready(fn(grads))
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(grads))
+            times[k].append(time.perf_counter() - t0)
+    ratios = [t / w for t, w in zip(times["tiled"], times["whole"], strict=True)]
+    med = statistics.median(ratios)
+    print(f"  small, 1 device: Newton-Schulz tiled / whole-matrix {med:.3f}")
+    return {
+        "median_seconds": {k: statistics.median(t) for k, t in times.items()},
+        "tiled_over_whole": {"median": med, "min": min(ratios), "max": max(ratios)},
+        "all_seconds": times,
+        "ns_dtype": plan.ns_dtype,
+    }
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, default=64, help="mesh size for laplace-3b")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--train-steps", type=int, default=20, help="steps of the bitwise check")
     args = ap.parse_args(argv)
     if jax.device_count() < args.devices:
         raise SystemExit(f"need {args.devices} devices, have {jax.device_count()} (XLA_FLAGS)")
@@ -183,6 +269,8 @@ def main(argv=None):
     traffic = traffic_3b(n)
     flops = ns_share(n)
     timing = time_small(args.repeats)
+    order = time_fixed_order(max(args.repeats, 11))
+    bitwise = train_small_in_each_mode(args.train_steps)
     g, a = traffic["gather"], traffic["a2a"]
     headline = {
         "gather_bytes_per_device": g["hlo_bytes_per_device"],
@@ -190,6 +278,11 @@ def main(argv=None):
         "traffic_ratio": g["hlo_bytes_per_device"] / a["hlo_bytes_per_device"],
         "ns_flop_share": flops["ns_flop_share"],
         "step_time_gather_over_a2a": timing["gather_over_a2a"]["median"],
+        "a2a_bitwise_equal_single": bitwise["a2a_losses_equal_single"]
+        and bitwise["a2a_params_equal_single"],
+        "gather_bitwise_equal_single": bitwise["gather_losses_equal_single"]
+        and bitwise["gather_params_equal_single"],
+        "ns_time_tiled_over_whole": order["tiled_over_whole"]["median"],
     }
     muon_elems = parameter_counts(PRESETS["laplace-3b"])["muon_params"]
     bound = 2 * muon_elems / (4 * max(m for m in (3072 * 16384, 3072 * 9216, 8192 * 3072)))
@@ -217,6 +310,10 @@ def main(argv=None):
         f"NS share {headline['ns_flop_share']:.4f}, "
         f"step time gather/a2a {headline['step_time_gather_over_a2a']:.2f}"
     )
+    print(
+        f"{bitwise['steps']} steps of small: a2a bit-identical to single: "
+        f"{headline['a2a_bitwise_equal_single']}, gather: {headline['gather_bitwise_equal_single']}"
+    )
     for mode in ("gather", "a2a"):
         assert traffic[mode]["hlo_bytes_per_device"] == traffic[mode]["analytic_bytes_per_device"]
     path = write_result(
@@ -227,6 +324,8 @@ def main(argv=None):
         whole_matrix_traffic_bound=bound,
         flops=flops,
         small_timing=timing,
+        fixed_order_timing=order,
+        bitwise_small=bitwise,
     )
     print(f"wrote {path}")
 

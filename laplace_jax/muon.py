@@ -2,7 +2,8 @@
 
 Three ways to run the same update, chosen by `mode`:
 
-- `single`: whole matrices, no explicit collectives (one device, or let XLA partition it).
+- `single`: whole matrices, no explicit collectives; on a mesh every device orthogonalises every
+  matrix whole (XLA all-gathers the row shards: `gather`'s traffic).
 - `gather`: inside `jax.shard_map`, all-gather every gradient (grouped by shape), every device
   orthogonalises every matrix, each keeps its own rows. The baseline: each device sends and
   receives 2 (n-1)/n of the whole bf16 gradient.
@@ -13,11 +14,13 @@ The a2a tile layout and the `shard_map` executor are in `laplace_jax/muon_tiles.
 itself in `laplace_jax/newton_schulz.py`, the traffic and FLOP counts in
 `laplace_jax/muon_accounting.py`.
 
-Numerics are the same in all modes: the Nesterov direction is cast to `ns_dtype` (that is what
-travels), normalised by its Frobenius norm computed in fp32, and the Gram matrices accumulate in
-fp32 before being rounded to `ns_dtype`. `gather` is bit-identical to `single`; `a2a` sums each
-Gram over column tiles (in a permuted column order for W_3), so it agrees with `single` to fp32
-reassociation, which bf16 rounding can amplify by an ulp (tests/test_muon.py states the bound).
+The three modes perform the same floating-point operations in the same order: the Nesterov
+direction is cast to `ns_dtype` (that is what travels), and every mode runs one arithmetic on it
+(laplace_jax/newton_schulz.py): column tiles of one width per short side, fixed by the model's
+shapes, sums over tiles added left to right in column order, Grams accumulated in fp32 before
+being rounded to `ns_dtype`. On a mesh, `single` orthogonalises whole matrices on every device.
+docs/design.md s4.2 says where that gives the same bits (and where a compiler's fused
+multiply-adds still differ between programs).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from laplace_jax.muon_tiles import (
     plan_tiles,
     rows_split,
 )
-from laplace_jax.newton_schulz import NS_DTYPES
+from laplace_jax.newton_schulz import NS_DTYPES, tile_widths
 from laplace_jax.sharding import FSDP, axis_size
 
 f32 = jnp.float32
@@ -110,15 +113,20 @@ class MuonPlan:
     def dtype(self):
         return NS_DTYPES[self.ns_dtype]
 
+    @property
+    def widths(self) -> dict[int, int]:
+        """Short side -> tile width of the Newton-Schulz arithmetic (all modes)."""
+        return tile_widths(self.shapes.values())
+
     def pools(self) -> tuple[list[TilePool], list[str]]:
         sharded = {p: s for p, s in self.shapes.items() if p in self.sharded}
-        return plan_tiles(sharded, self.n)
+        return plan_tiles(sharded, self.n, self.widths)
 
     # ---- the update ----
     def orthogonalize(self, grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """path -> f32 gradient (Nesterov direction) -> path -> f32 scaled orthogonal update."""
-        if self.mode == "single" or self.n == 1:
-            out = ns_grouped(grads, self.ns_steps, self.dtype)
+        if self.n == 1:
+            out = ns_grouped(grads, self.widths, self.ns_steps, self.dtype)
         else:
             out = orthogonalize_sharded(
                 grads,
@@ -126,6 +134,7 @@ class MuonPlan:
                 mesh=self.mesh,
                 axis=self.axis,
                 specs=self.specs,
+                widths=self.widths,
                 steps=self.ns_steps,
                 dtype=self.dtype,
             )

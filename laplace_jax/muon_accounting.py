@@ -37,9 +37,9 @@ def bytes_per_device(plan: MuonPlan) -> int:
     """Collective bytes (sent + received) per device per step of `plan` in its mode."""
     item = jnp.dtype(plan.dtype).itemsize
     sharded = {p: s for p, s in plan.shapes.items() if p in plan.sharded}
-    if plan.mode == "single" or plan.n == 1:
+    if plan.n == 1:
         return 0
-    if plan.mode == "gather":
+    if plan.mode in ("single", "gather"):  # single: XLA all-gathers the shards into whole ones
         return gather_bytes_per_device(sharded, plan.n, item)
     pools, rest = plan.pools()
     rest_shapes = {p: sharded[p] for p in rest}

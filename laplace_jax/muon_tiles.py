@@ -1,25 +1,28 @@
 """Distributed Muon: the a2a tile layout and the `shard_map` executor (gather and a2a modes).
 
 The a2a layout ("tiles"). Every Laplace Muon matrix, turned wide (rows <= cols), has the short
-side D and a long side that is a multiple of w = gcd(long sides) (1,024 for 3B). Newton-Schulz
-on X = [X_1 .. X_k] (column tiles of width w) only needs the Gram A = sum_t X_t X_t^T of each
-matrix; B = b A + c A A is per matrix and X_t <- a X_t + B X_t is per tile. So a device's work
-is a fixed number T of (D x w) tile slots plus M matrix slots, the same on every device (SPMD:
-one program, no `lax.cond`), while which matrix a tile belongs to is data (a one-hot [M, T] table
-row picked by `axis_index`). Matrices are packed whole onto devices by first-fit-decreasing on
-their tile counts into n bins of capacity T (T = the smallest capacity that fits; for 3B on 64
-devices T = 16, set by W_12, the largest matrix), all static.
+side D and a long side that is a multiple of w = gcd(long sides) (1,024 for 3B: `tile_widths`).
+Newton-Schulz on X = [X_1 .. X_k] (column tiles of width w) only needs the Gram
+A = X_1 X_1^T + ... + X_k X_k^T of each matrix; B = b A + c A A is per matrix and
+X_t <- a X_t + B X_t is per tile. That is how every mode computes it
+(laplace_jax/newton_schulz.py), so a device's work is a fixed number T of (D x w) tile slots
+plus M matrix slots, the same on every device (SPMD: one program, no `lax.cond`), while which
+matrix a tile belongs to is data (a one-hot [M, T] table row picked by `axis_index`). Matrices
+are packed whole onto devices by first-fit-decreasing on their tile counts into n bins of
+capacity T (T = the smallest capacity that fits; for 3B on 64 devices T = 16, set by W_12, the
+largest matrix), all static; a matrix's tiles take consecutive slots in column order.
 
-Each device's row shard of a matrix cuts every tile into n equal pieces of D w / n elements:
-a wide kernel [D, c] sharded on rows gives (D/n x w) pieces; a tall kernel [c, D] (W_3) sharded
-on its rows gives (w/n x D) pieces, i.e. X^T's columns interleaved across devices: tile t of a
-tall matrix is the column set {i c/n + t w/n + q}, a column permutation, which Newton-Schulz
-commutes with (Gram and norm are invariant, B X permutes alike). The send buffer is
-[n, T, D w / n]: piece (owner, slot) in a static layout, empty slots zero. Bytes per device per
-all_to_all: (n-1)/n T D w sent and as many received, so in total 4 (n-1)/n T D w * itemsize.
-Padding is never computed on within a tile (tiles are exact); a device whose bin is not full
-runs its empty tile slots on zeros, which costs no step time because the fullest device sets
-the pace (the program is the same everywhere).
+Each device's row shard of a matrix is cut into n equal pieces of D w / n elements per tile:
+a wide kernel [D, c] sharded on rows gives (D/n x w) pieces, tile t's rows from every device;
+a tall kernel [c, D] (W_3) sharded on its rows gives (w/n x D) blocks of its own c/n
+consecutive rows. The send buffer is [n, T, D w / n]: piece (owner, slot) in a static layout,
+empty slots zero. The owner stacks a wide tile's n pieces, and reorders a tall matrix's n k
+blocks (a gather by a static per-device table) so that tile t is the kernel's rows
+t w .. (t+1) w - 1: the same tiles, in the same column order, as on one device. Bytes per
+device per all_to_all: (n-1)/n T D w sent and as many received, so in total
+4 (n-1)/n T D w * itemsize. Padding is never computed on within a tile (tiles are exact); a
+device whose bin is not full runs its empty tile slots on zeros, which costs no step time
+because the fullest device sets the pace (the program is the same everywhere).
 
 Why not 32x for 3B: the ideal 4 S / n (S = the whole gradient) needs every device to hold 1/n of
 the elements, but one W_12 (50.3M elements) is larger than 1/64 of all Muon elements (42.5M), and
@@ -31,14 +34,13 @@ reaches.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from laplace_jax.newton_schulz import newton_schulz, newton_schulz_tiles
+from laplace_jax.newton_schulz import newton_schulz_tiled, newton_schulz_tiles
 from laplace_jax.sharding import axis_size
 
 # ---- the a2a layout: whole matrices packed onto devices as column tiles ---------------------
@@ -61,7 +63,7 @@ class TilePool:
 
     n_devices: int  # n, the mesh axis size
     short_side: int  # s: rows of the wide form of every matrix in the pool
-    tile_width: int  # w: columns of one tile, the gcd of the long sides
+    tile_width: int  # w: columns of one tile (`tile_widths`)
     tile_slots: int  # T: tile slots per device (the bin capacity)
     matrix_slots: int  # M: matrix slots per device (most matrices one device holds)
     matrices: tuple[TileMatrix, ...]
@@ -83,6 +85,33 @@ class TilePool:
         for m in self.matrices:
             tall[m.owner, m.first_slot : m.first_slot + m.n_tiles] = m.tall
         return tall
+
+    def tall_sources(self) -> np.ndarray:
+        """[n, T, n] per owner device: for each tile slot, the received blocks it is stacked
+        from, as flat indices source * T + slot into the [n, T] received pieces. A wide slot
+        takes its own slot from every source; a tall matrix's k tiles take its n k blocks (block
+        b = source * k + t holds the kernel's rows b w/n .. (b+1) w/n) n at a time, in order."""
+        n, T = self.n_devices, self.tile_slots
+        src = np.tile(np.arange(n)[None, None, :] * T + np.arange(T)[None, :, None], (n, 1, 1))
+        for m in self.matrices:
+            if m.tall:
+                b = np.arange(m.n_tiles * n)  # tile t' is blocks t' n .. t' n + n - 1
+                flat = (b // m.n_tiles) * T + m.first_slot + b % m.n_tiles
+                src[m.owner, m.first_slot : m.first_slot + m.n_tiles] = flat.reshape(-1, n)
+        return src
+
+    def tall_returns(self) -> np.ndarray:
+        """[n, n, T] per owner device: the inverse of `tall_sources`, for the way back: for
+        each (destination, slot) piece, the flat index slot * n + position of its block in the
+        orthogonalised tiles."""
+        n, T = self.n_devices, self.tile_slots
+        ret = np.tile(np.arange(T)[None, None, :] * n + np.arange(n)[None, :, None], (n, 1, 1))
+        for m in self.matrices:
+            if m.tall:
+                dest, t = np.divmod(np.arange(n * m.n_tiles), m.n_tiles)
+                b = dest * m.n_tiles + t
+                ret[m.owner, dest, m.first_slot + t] = (m.first_slot + b // n) * n + b % n
+        return ret
 
     def loads(self) -> list[int]:
         """Tiles really used on each device."""
@@ -126,14 +155,17 @@ def _best_packing(sizes: dict[str, int], n: int) -> tuple[int, dict[str, tuple[i
         cap += 1
 
 
-def plan_tiles(shapes: dict[str, tuple[int, int]], n: int) -> tuple[list[TilePool], list[str]]:
-    """Pack row-sharded matrices into a2a tile pools; returns (pools, paths left for gather)."""
+def plan_tiles(
+    shapes: dict[str, tuple[int, int]], n: int, widths: dict[int, int]
+) -> tuple[list[TilePool], list[str]]:
+    """Pack row-sharded matrices into a2a tile pools of the tile widths `widths` (short side ->
+    w, `tile_widths` of every Muon matrix); returns (pools, paths left for gather)."""
     by_s: dict[int, list[str]] = {}
     for path, shape in shapes.items():
         by_s.setdefault(min(shape), []).append(path)
     pools, rest = [], []
     for s, paths in sorted(by_s.items()):
-        w = math.gcd(*(max(shapes[p]) for p in paths))
+        w = widths[s]
         ok = []
         for p in paths:
             r, c = shapes[p]
@@ -179,11 +211,14 @@ def _groups(shapes: dict[str, tuple[int, ...]]) -> dict[tuple[int, ...], list[st
     return out
 
 
-def ns_grouped(mats: dict[str, jax.Array], steps, dtype) -> dict[str, jax.Array]:
+def ns_grouped(
+    mats: dict[str, jax.Array], widths: dict[int, int], steps, dtype
+) -> dict[str, jax.Array]:
     """Newton-Schulz on whole matrices, batched over matrices of one shape."""
     out = {}
-    for _, paths in _groups({p: m.shape for p, m in mats.items()}).items():
-        y = newton_schulz(jnp.stack([mats[p] for p in paths]), steps, dtype)
+    for shape, paths in _groups({p: m.shape for p, m in mats.items()}).items():
+        stack = jnp.stack([mats[p] for p in paths])
+        y = newton_schulz_tiled(stack, widths[min(shape)], steps, dtype)
         out.update({p: y[i] for i, p in enumerate(paths)})
     return out
 
@@ -221,9 +256,11 @@ def _a2a_pool(pool: TilePool, local: dict[str, jax.Array], axis: str, steps, dty
     tall_tab = pool.tall_table()
     wide_x = recv.reshape(n, T, s // n, w).transpose(1, 0, 2, 3).reshape(T, s, w)
     tall_x = None
-    if tall_tab.any():  # (w/n x s) row pieces of the kernel -> (s x w) columns of X
-        tall_x = recv.reshape(n, T, w // n, s).transpose(1, 0, 2, 3).reshape(T, w, s)
-        tall_x = tall_x.transpose(0, 2, 1)
+    if tall_tab.any():  # (w/n x s) row blocks of the kernel -> (s x w) columns of X, in order
+        blocks = recv.reshape(n * T, w // n, s)
+        src = jax.lax.dynamic_index_in_dim(jnp.asarray(pool.tall_sources()), me, keepdims=False)
+        tall_x = jnp.take(blocks, src.reshape(-1), axis=0, mode="clip")
+        tall_x = tall_x.reshape(T, w, s).transpose(0, 2, 1)
     if tall_x is None:
         x = wide_x
     elif tall_tab.all():
@@ -238,7 +275,9 @@ def _a2a_pool(pool: TilePool, local: dict[str, jax.Array], axis: str, steps, dty
     if tall_x is None:
         out_send = wide_back
     else:
-        tall_back = y.transpose(0, 2, 1).reshape(T, n, w // n, s).transpose(1, 0, 2, 3)
+        blocks = y.transpose(0, 2, 1).reshape(T * n, w // n, s)
+        ret = jax.lax.dynamic_index_in_dim(jnp.asarray(pool.tall_returns()), me, keepdims=False)
+        tall_back = jnp.take(blocks, ret.reshape(-1), axis=0, mode="clip")
         tall_back = tall_back.reshape(n, T, pool.piece)
         out_send = (
             tall_back if tall_tab.all() else jnp.where(mask[None, :, None], tall_back, wide_back)
@@ -268,35 +307,43 @@ def orthogonalize_sharded(
     mesh: Mesh,
     axis: str,
     specs: dict[str, PartitionSpec],
+    widths: dict[int, int],
     steps: int,
     dtype,
 ) -> dict[str, jax.Array]:
-    """`gather` or `a2a` inside `jax.shard_map` over `axis`: path -> Nesterov direction (whole
-    arrays placed as `specs` says, the parameters' PartitionSpecs from the rules table: rows
-    over `axis`, or whole) -> path -> orthogonalised, in `dtype`.
+    """Muon's Newton-Schulz inside `jax.shard_map` over `axis`: path -> Nesterov direction
+    (whole arrays placed as `specs` says, the parameters' PartitionSpecs from the rules table:
+    rows over `axis`, or whole) -> path -> orthogonalised, in `dtype`.
 
-    Replicated matrices are orthogonalised on every device; `rest` (gather mode, and sharded
-    matrices the tile layout cannot take) are all-gathered per shape group, each device keeping
-    its own rows; the a2a pools go through `_a2a_pool`.
+    `single`: every matrix whole on every device (XLA all-gathers the row shards on the way in).
+    `gather` and `a2a`: replicated matrices are orthogonalised on every device; `rest` (gather
+    mode, and sharded matrices the tile layout cannot take) are all-gathered per shape group,
+    each device keeping its own rows; the a2a pools go through `_a2a_pool`. All three run the
+    tiled arithmetic of laplace_jax/newton_schulz.py on the tiles of `widths`.
     """
     paths = sorted(grads)
-    spec = {p: specs.get(p, PartitionSpec()) for p in paths}
+    if mode == "single":
+        spec = {p: PartitionSpec() for p in paths}
+    else:
+        spec = {p: specs.get(p, PartitionSpec()) for p in paths}
     sharded = {p for p in paths if rows_split(spec[p], axis)}
     if mode == "a2a":
         pools, rest = plan_tiles(
-            {p: tuple(grads[p].shape) for p in paths if p in sharded}, axis_size(mesh, axis)
+            {p: tuple(grads[p].shape) for p in paths if p in sharded},
+            axis_size(mesh, axis),
+            widths,
         )
     else:
         pools, rest = [], [p for p in paths if p in sharded]
 
     def body(*local):
         local = dict(zip(paths, local, strict=True))
-        out = ns_grouped({p: local[p] for p in paths if p not in sharded}, steps, dtype)
+        out = ns_grouped({p: local[p] for p in paths if p not in sharded}, widths, steps, dtype)
         me = jax.lax.axis_index(axis)
         for shape, group in _groups({p: local[p].shape for p in rest}).items():
             stack = jnp.stack([local[p].astype(dtype) for p in group])
             full = jax.lax.all_gather(stack, axis, axis=1, tiled=True)
-            y = newton_schulz(full, steps, dtype)
+            y = newton_schulz_tiled(full, widths[min(full.shape[1:])], steps, dtype)
             y = jax.lax.dynamic_slice_in_dim(y, me * shape[0], shape[0], axis=1)
             out.update({p: y[i] for i, p in enumerate(group)})
         for pool in pools:

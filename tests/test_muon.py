@@ -19,7 +19,12 @@ from laplace_jax import muon
 from laplace_jax.model import abstract_params, init_params
 from laplace_jax.muon_accounting import a2a_bytes_per_device, gather_bytes_per_device, ns_flops
 from laplace_jax.muon_tiles import plan_tiles
-from laplace_jax.newton_schulz import NS_DTYPES, newton_schulz
+from laplace_jax.newton_schulz import (
+    NS_DTYPES,
+    newton_schulz,
+    newton_schulz_tiled,
+    tile_widths,
+)
 from laplace_jax.optim import OPTIMIZER_PRESETS, make_optimizer, opt_state_shardings
 from laplace_jax.sharding import FSDP, make_mesh, param_shardings
 from laplace_spec.config import PRESETS
@@ -204,7 +209,7 @@ def test_tile_plan_is_a_packing(preset, n):
         for p, s in flatten_dict(abstract_params(PRESETS[preset]), sep="/").items()
         if is_muon_path(p)
     }
-    pools, rest = plan_tiles(shapes, n)
+    pools, rest = plan_tiles(shapes, n, tile_widths(shapes.values()))
     assert rest == [] and len(pools) == 1
     pool = pools[0]
     assert sorted(m.path for m in pool.matrices) == sorted(shapes)
@@ -215,6 +220,19 @@ def test_tile_plan_is_a_packing(preset, n):
     assert used.max() == 1
     seg = pool.seg_table()
     assert np.array_equal(seg.sum(axis=1), used)  # every used slot in exactly one matrix slot
+    # a tall matrix's tile t is stacked from the blocks holding its rows t w .. (t+1) w - 1 in
+    # order (block (source i, slot t) of a matrix at first_slot f starts at row
+    # i c/n + (t - f) w/n), and the way back is the inverse permutation
+    src, ret, T, w = pool.tall_sources(), pool.tall_returns(), pool.tile_slots, pool.tile_width
+    for m in pool.matrices:
+        if m.tall:
+            source, slot = np.divmod(src[m.owner, m.first_slot : m.first_slot + m.n_tiles], T)
+            starts = source * (m.shape[0] // n) + (slot - m.first_slot) * (w // n)
+            assert np.array_equal(starts.ravel(), np.arange(0, m.shape[0], w // n))
+    for j in range(n):
+        position = np.empty(n * T, int)
+        position[src[j].ravel()] = np.arange(n * T)
+        assert np.array_equal(ret[j].ravel(), position)
     if preset == "laplace-3b" and n == 64:
         # T is set by W_12 (16 tiles of 1,024 columns); no device is left without a matrix
         assert (pool.short_side, pool.tile_width, pool.tile_slots, pool.matrix_slots) == (
@@ -291,29 +309,68 @@ def _run(mode, dtype, setup, mesh=True):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_distributed_modes_match_single_device(tiny_setup, dtype):
-    """Three optimizer steps of the whole Laplace optimizer on 8 devices vs one device.
-
-    `gather` runs the single-device arithmetic on whole matrices: bit-identical, every leaf.
-    AdamW leaves are bit-identical in every mode. `a2a` sums each Gram over (D x w) tiles (W_3's
-    columns interleaved), which reassociates fp32 sums, and XLA picks other matmul kernels for
-    other batch shapes: measured 2.6e-6 of the largest entry in fp32 (bound 1e-5); in bf16 a
-    reassociated Gram entry can round to the neighbouring bf16 value and the iteration carries
-    it: measured 1.8e-2 (bound 2^-5 = 3.1e-2), the size of bf16 NS's own error vs float64 (~2%).
-    """
+def test_distributed_modes_are_bit_identical_to_one_device(tiny_setup, dtype):
+    """Three optimizer steps of the whole Laplace optimizer: one device, and `single`, `gather`
+    and `a2a` on 8 devices give the same bits, every leaf, every step (the old `a2a` summed each
+    Gram in another order: 2.6e-6 of the largest entry in fp32, 1.8e-2 in bf16)."""
     single, _, _ = _run("single", dtype, tiny_setup, mesh=False)
-    gather, _, _ = _run("gather", dtype, tiny_setup)
-    a2a, _, _ = _run("a2a", dtype, tiny_setup)
-    tol = 1e-5 if dtype == "float32" else 2.0**-5
-    for t in range(len(single)):
-        for path in single[t]:
-            ref = np.asarray(single[t][path])
-            assert np.array_equal(gather[t][path], ref), (t, path)
-            if not is_muon_path(path):
-                assert np.array_equal(a2a[t][path], ref), (t, path)
-            else:
-                err = np.max(np.abs(a2a[t][path] - ref))
-                assert err <= tol * np.max(np.abs(ref)), (t, path, err)
+    for mode in ("single", "gather", "a2a"):
+        got, _, _ = _run(mode, dtype, tiny_setup)
+        for t in range(len(single)):
+            for path, ref in single[t].items():
+                err = np.max(np.abs(got[t][path] - ref))
+                assert np.array_equal(got[t][path], ref), (mode, t, path, err)
+
+
+def _modes_bit_identical(shapes, spec, dtype, seed):
+    """plan.orthogonalize of random gradients: one device, then every mode on 8 devices."""
+    mesh = make_mesh(8)
+    grads = {k: jnp.asarray(v) for k, v in _random(shapes, seed).items()}
+    ref = jax.jit(muon.MuonPlan(shapes, ns_dtype=dtype).orthogonalize)(grads)
+    placed = {k: jax.device_put(v, NamedSharding(mesh, spec[k])) for k, v in grads.items()}
+    for mode in muon.MODES:
+        plan = muon.MuonPlan(shapes, mode, ns_dtype=dtype, mesh=mesh, specs=spec)
+        got = jax.jit(plan.orthogonalize)(placed)
+        for k in shapes:
+            assert np.array_equal(got[k], ref[k]), (mode, k, np.max(np.abs(got[k] - ref[k])))
+    return plan
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_hybrid_modes_are_bit_identical(dtype):
+    """The tiny 1:1 hybrid's Muon matrices, placed by the rules table."""
+    cfg = PRESETS["tiny"].replace(attention_every=2)
+    abstract = flatten_dict(abstract_params(cfg), sep="/")
+    shapes = {p: tuple(s.shape) for p, s in abstract.items() if is_muon_path(p)}
+    shard = flatten_dict(param_shardings(cfg, make_mesh(8)), sep="/")
+    _modes_bit_identical(shapes, {p: shard[p].spec for p in shapes}, dtype, seed=11)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mixed_shapes_fallbacks_are_bit_identical(dtype):
+    """Matrices the tile layout cannot take (rows not divisible by n: replicated; a tall matrix
+    whose tile width does not split in n: all-gathered) beside pooled ones, tall and wide, of
+    three short sides: every mode gives the one-device bits."""
+    shapes = {"a": (16, 100), "b": (16, 60), "d": (40, 16), "c": (20, 40), "e": (24, 48)}
+    spec = {k: PartitionSpec(FSDP) if s[0] % 8 == 0 else PartitionSpec() for k, s in shapes.items()}
+    plan = _modes_bit_identical(shapes, spec, dtype, seed=7)
+    pools, rest = plan.pools()
+    # s = 16 pool: w = gcd(100, 60, 40) = 20 does not split in 8 rows, so the tall `d` goes
+    # to the all-gather fallback; `c` (20 rows) is replicated and orthogonalised locally.
+    assert rest == ["d"] and sorted(p.short_side for p in pools) == [16, 24]
+    assert plan.widths == {16: 20, 20: 40, 24: 48}
+
+
+def test_tiled_arithmetic_matches_whole_matrices():
+    """The tiled Newton-Schulz every mode runs is the whole-matrix definition up to fp32
+    reassociation (1e-5 of the largest entry), for wide, tall and square matrices."""
+    rng = np.random.default_rng(4)
+    for shape, w in (((24, 96), 32), ((96, 24), 24), ((32, 32), 32)):
+        g = jnp.asarray(rng.standard_normal((2,) + shape), jnp.float32)
+        ref = newton_schulz(g, dtype=jnp.float32)
+        got = newton_schulz_tiled(g, w, dtype=jnp.float32)
+        assert got.shape == g.shape
+        np.testing.assert_allclose(got, ref, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
 
 
 def test_compiled_update_collectives_and_state_sharding(tiny_setup):
@@ -324,7 +381,7 @@ def test_compiled_update_collectives_and_state_sharding(tiny_setup):
     counts = _collectives(hlo)
     assert counts["all-to-all"] == 2 and counts["all-gather"] == 0, counts
     # each all_to_all moves the static [n, T, s w / n] layout: T s w elements per device
-    pools, rest = plan_tiles(_tiny_muon_shapes(), 8)
+    pools, rest = plan_tiles(_tiny_muon_shapes(), 8, {64: 64})
     (pool,) = pools
     sizes = [
         sum(math.prod(int(d) for d in dims.split(",")) for dims in re.findall(r"\[([\d,]+)\]", t))
@@ -355,26 +412,14 @@ def test_jitted_update_has_no_branches_loops_or_callbacks(tiny_setup):
         assert bad not in text, bad
 
 
-def test_mixed_shapes_fallbacks():
-    """Matrices the tile layout cannot take (rows not divisible by n: replicated; a tall matrix
-    whose tile width does not split in n) still get the single-device result (fp32: 1e-5 of the
-    largest entry, as above)."""
+def test_zero_gradients_give_zeros_through_every_path():
+    """Tiles, empty slots, the replicated and the all-gathered fallback: zeros, no NaN."""
     mesh = make_mesh(8)
     shapes = {"a": (16, 100), "b": (16, 60), "d": (40, 16), "c": (20, 40), "e": (24, 48)}
-    sharded = frozenset(p for p, s in shapes.items() if s[0] % 8 == 0)
-    spec = {k: PartitionSpec(FSDP) if k in sharded else PartitionSpec() for k in shapes}
-    grads = {k: jnp.asarray(v) for k, v in _random(shapes, 7).items()}
-    ref = jax.jit(muon.MuonPlan(shapes, ns_dtype="float32").orthogonalize)(grads)
+    spec = {k: PartitionSpec(FSDP) if s[0] % 8 == 0 else PartitionSpec() for k, s in shapes.items()}
     plan = muon.MuonPlan(shapes, "a2a", ns_dtype="float32", mesh=mesh, specs=spec)
-    pools, rest = plan.pools()
-    # s = 16 pool: w = gcd(100, 60, 40) = 20 does not split in 8 rows, so the tall `d` goes
-    # to the all-gather fallback; `c` (20 rows) is replicated and orthogonalised locally.
-    assert rest == ["d"] and sorted(p.short_side for p in pools) == [16, 24]
-    fn = jax.jit(plan.orthogonalize)
-    got = fn({k: jax.device_put(v, NamedSharding(mesh, spec[k])) for k, v in grads.items()})
-    for k in shapes:
-        np.testing.assert_allclose(got[k], ref[k], atol=1e-5 * float(jnp.max(jnp.abs(ref[k]))))
-    # zero gradients through every path (tiles, empty slots, fallback): zeros, no NaN
-    zeros = fn({k: jax.device_put(0 * v, NamedSharding(mesh, spec[k])) for k, v in grads.items()})
+    zeros = jax.jit(plan.orthogonalize)(
+        {k: jax.device_put(jnp.zeros(s), NamedSharding(mesh, spec[k])) for k, s in shapes.items()}
+    )
     for k in shapes:
         assert np.all(np.asarray(zeros[k]) == 0), k

@@ -645,6 +645,29 @@ def test_fsdp_and_2d_mesh_steps_equal_the_1_device_step():
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=5e-5), params, p1)
 
 
+def test_muon_modes_train_bit_identically_on_one_mesh():
+    """Five steps of `tiny` on fsdp=8 with Muon in `single`, `gather` and `a2a`: every loss and
+    every final parameter the same bits (one Newton-Schulz arithmetic for every layout; at the
+    suite's LLVM level 0, design s4.2 says what XLA:CPU's default level adds)."""
+    host = _host(init_params(CFG, jax.random.key(2)))
+    rng = np.random.default_rng(2)
+    batches = [rng.integers(0, 256, (1, 8, CFG.seq_len + 1)).astype(np.int32) for _ in range(5)]
+    mesh = make_mesh(8)
+    results = {}
+    for mode in ("single", "gather", "a2a"):
+        tx, ps, os_, step = _step_setup(mesh, [f"muon_mode={mode}"])
+        state = _state(tx, ps, os_, host, mesh)
+        losses = []
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        results[mode] = (losses, _host(state["params"]))
+    losses, params = results["single"]
+    for mode in ("gather", "a2a"):
+        assert results[mode][0] == losses, mode
+        assert all(jax.tree.leaves(jax.tree.map(np.array_equal, results[mode][1], params))), mode
+
+
 def test_mesh_flag():
     assert dict(cli.mesh_from_flag("fsdp=4").shape) == {"fsdp": 4}
     assert dict(cli.mesh_from_flag("data=2,fsdp=4").shape) == {"data": 2, "fsdp": 4}

@@ -10,8 +10,10 @@ each printed as PASS or FAIL with its numbers; the exit status is 1 if any fails
   counts, and a jitted sum over an array spread across both processes' devices is checked.
   It runs first, before this process takes any core (a NeuronCore belongs to one process).
 - `muon`: two optimizer steps with Muon's `a2a` and `gather` modes on the same gradients; every
-  AdamW leaf must be bit-identical, the Muon updates within the bound tests/test_muon.py uses
-  (1e-5 of the largest entry with fp32 Newton-Schulz, 2^-5 with bf16); reports the difference.
+  AdamW leaf must be bit-identical, the Muon updates within 1e-5 of the largest entry with fp32
+  Newton-Schulz, 2^-5 with bf16; reports the difference and whether they are bit-identical, as
+  they are on XLA's CPU backend (docs/design.md s4.2: one arithmetic for every layout; a device
+  compiler that orders a batched product's sums by batch size would break that, and this says so).
 - `step`: one training step with 2 accumulated micro-batches of one sequence per device; the
   loss and gradient norm must be finite and the update applied.
 - `checkpoint`: an orbax save of the state (after `step`) and its restore through

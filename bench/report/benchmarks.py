@@ -57,12 +57,26 @@ def muon() -> str:
             f"{med['a2a'] * 1e3:,.0f} ms (**{spread(t['gather_over_a2a'])}**)",
         ],
     ]
-    fl = d["flops"]
+    fl, bits, order = d["flops"], d["bitwise_small"], d["fixed_order_timing"]
+
+    def equal(mode):
+        if h[f"{mode}_bitwise_equal_single"]:
+            return "bit-identical to `single`'s"
+        differing = bits[f"{mode}_leaves_differing"]
+        return f"**not** bit-identical to `single`'s ({differing} leaves differ)"
+
     return (
         table(["", "gather", "a2a"], rows) + "\n\n"
         f"Newton-Schulz is {pct(h['ns_flop_share'], 2)} of a 3B training step's FLOPs "
         f"({sci(fl['ns_flops_total'])} of {sci(fl['step_flops_6NT'])}); the whole-matrix bound of "
-        f"the traffic ratio is {d['whole_matrix_traffic_bound']:.1f}x."
+        f"the traffic ratio is {d['whole_matrix_traffic_bound']:.1f}x.\n\n"
+        f"One arithmetic for every layout ([design s4.2](design.md#42-distributed-muon-under-fsdp)"
+        f"): {bits['steps']} training steps of `small` on fsdp=8 at XLA:CPU's default code "
+        f"generation, every loss and every final parameter: `gather` {equal('gather')}, `a2a` "
+        f"{equal('a2a')} (LLVM's fused multiply-adds follow each program's fusion). "
+        f"The fixed order's cost on one device (Newton-Schulz over `small`'s matrices in column "
+        f"tiles against whole matrices, median of {len(order['all_seconds']['tiled'])} "
+        f"alternating rounds): **{spread(order['tiled_over_whole'])}**."
     )
 
 
