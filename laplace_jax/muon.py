@@ -19,8 +19,7 @@ direction is cast to `ns_dtype` (that is what travels), and every mode runs one 
 (laplace_jax/newton_schulz.py): column tiles of one width per short side, fixed by the model's
 shapes, sums over tiles added left to right in column order, Grams accumulated in fp32 before
 being rounded to `ns_dtype`. On a mesh, `single` orthogonalises whole matrices on every device.
-docs/design.md s4.2 says where that gives the same bits (and where a compiler's fused
-multiply-adds still differ between programs).
+So a run can switch modes, or be checked against one device, bit for bit (docs/design.md s4.2).
 """
 
 from __future__ import annotations

@@ -647,8 +647,8 @@ def test_fsdp_and_2d_mesh_steps_equal_the_1_device_step():
 
 def test_muon_modes_train_bit_identically_on_one_mesh():
     """Five steps of `tiny` on fsdp=8 with Muon in `single`, `gather` and `a2a`: every loss and
-    every final parameter the same bits (one Newton-Schulz arithmetic for every layout; at the
-    suite's LLVM level 0, design s4.2 says what XLA:CPU's default level adds)."""
+    every final parameter the same bits (one Newton-Schulz arithmetic for every layout, design
+    s4.2; `python -m bench.muon` checks twenty steps of `small` at XLA:CPU's default level)."""
     host = _host(init_params(CFG, jax.random.key(2)))
     rng = np.random.default_rng(2)
     batches = [rng.integers(0, 256, (1, 8, CFG.seq_len + 1)).astype(np.int32) for _ in range(5)]

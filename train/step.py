@@ -105,8 +105,12 @@ def make_train_step(
 
         grad_norm = optax.global_norm(grads)
         if grad_clip > 0:  # static choice; the scale itself is branch-free
-            scale = jnp.minimum(1.0, grad_clip / (grad_norm + 1e-6))
-            grads = jax.tree.map(lambda g: g * scale, grads)
+            # divided, not multiplied: XLA's CPU backend fuses a product into the add that
+            # consumes it (one rounding), so `g * scale` would make Muon's momentum
+            # `mu m + g * scale` two products, of which the program's fusion picks one; a
+            # quotient is never fused so, and every Muon mode rounds alike (design s4.2)
+            divisor = jnp.maximum(1.0, (grad_norm + 1e-6) / grad_clip)
+            grads = jax.tree.map(lambda g: g / divisor, grads)
         updates, new_opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
 

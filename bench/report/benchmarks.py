@@ -73,7 +73,7 @@ def muon() -> str:
         f"One arithmetic for every layout ([design s4.2](design.md#42-distributed-muon-under-fsdp)"
         f"): {bits['steps']} training steps of `small` on fsdp=8 at XLA:CPU's default code "
         f"generation, every loss and every final parameter: `gather` {equal('gather')}, `a2a` "
-        f"{equal('a2a')} (LLVM's fused multiply-adds follow each program's fusion). "
+        f"{equal('a2a')}. "
         f"The fixed order's cost on one device (Newton-Schulz over `small`'s matrices in column "
         f"tiles against whole matrices, median of {len(order['all_seconds']['tiled'])} "
         f"alternating rounds): **{spread(order['tiled_over_whole'])}**."
