@@ -230,8 +230,15 @@ def time_fixed_order(repeats: int) -> dict:
     rng = np.random.default_rng(1)
     grads = {p: jnp.asarray(rng.standard_normal(s), jnp.float32) for p, s in plan.shapes.items()}
 
-    def whole(g):
-        return {p: newton_schulz(x, plan.ns_steps, plan.dtype) for p, x in g.items()}
+    def whole(g):  # batched by shape, as the tiled form is
+        by_shape: dict[tuple, list[str]] = {}
+        for p in sorted(g):
+            by_shape.setdefault(g[p].shape, []).append(p)
+        out = {}
+        for paths in by_shape.values():
+            y = newton_schulz(jnp.stack([g[p] for p in paths]), plan.ns_steps, plan.dtype)
+            out.update(zip(paths, y, strict=True))
+        return out
 
     def tiled(g):
         return ns_grouped(g, plan.widths, plan.ns_steps, plan.dtype)
