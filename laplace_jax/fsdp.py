@@ -143,8 +143,11 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
         cast = param_group(path).gather_in_compute_dtype  # laplace_spec/param_groups.py
         return *split_dim(flat_specs[path]), dtype if cast else f32, mesh_axes
 
-    layer_args = {  # "qkvg/kernel" -> static gather arguments (the same for every layer)
-        p.split("/", 1)[1]: gather_args(p) for p in flat_specs if p.startswith("layer_0/")
+    layer_args = {  # "qkvg/kernel" -> static gather arguments (the same for every layer that
+        # has it: a hybrid's GLA and attention layers may each have parameters the other lacks)
+        p.split("/", 1)[1]: gather_args(p)
+        for p in sorted(flat_specs)
+        if p.startswith("layer_")
     }
 
     # built here, outside the model's apply; on a context axis it holds one slice of each
@@ -164,7 +167,7 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
     if k > 1:
         last = DecoderLayer(cfg, mixer=cfg.layer_mixers[k - 1], **layer_kw)
 
-    def layer(decoder_layer, x, shards, reset=None, decays=None):  # x: [b, T, D]; its shards
+    def layer(decoder_layer, x, shards, reset=None, decays=None, embedding=None):  # x: [b, T, D]
         weights = {p: gather_weight(shards[p], *layer_args[p]) for p in layer_args}
         b = x.shape[0]
         state = {
@@ -175,6 +178,8 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
         kw = {} if reset is None else {"reset": reset}
         if decays is not None:
             kw["decays"] = decays
+        if embedding is not None:
+            kw["embedding"] = embedding
         x, _ = decoder_layer.apply({"params": layer_params}, x, state, **kw)
         return x
 
@@ -185,18 +190,21 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
     first_layer = checkpointed(functools.partial(layer, first))
     last_layer = None if last is None else checkpointed(functools.partial(layer, last))
 
-    def block(x, block_shards, reset, decays):  # block shards: [k, ...] per path ([...] if k = 1)
+    def block(x, block_shards, reset, decays, x0):  # shards: [k, ...] per path ([...] if k = 1)
         if k == 1:
-            return first_layer(x, block_shards, reset, decays), None
+            return first_layer(x, block_shards, reset, decays, x0), None
         gla = {p: a[: k - 1] for p, a in block_shards.items()}  # [k - 1, ...]
-        x, _ = jax.lax.scan(lambda x, s: (first_layer(x, s, reset, decays), None), x, gla)
-        return last_layer(x, {p: a[k - 1] for p, a in block_shards.items()}, reset, decays), None
+        x, _ = jax.lax.scan(lambda x, s: (first_layer(x, s, reset, decays, x0), None), x, gla)
+        last_shards = {p: a[k - 1] for p, a in block_shards.items()}
+        return last_layer(x, last_shards, reset, decays, x0), None
 
     def forward(shards, tokens, outputs):
         # shards: this device's {path: shard}; tokens: its sequences' windows [b, T + 1]
         inputs, targets, reset = next_token_slice(tokens, eot_id, axis)
-        stacked = {  # [L, ...] per layer parameter: local shards only, no communication
-            p: jnp.stack([shards[f"layer_{i}/{p}"] for i in range(L)]) for p in layer_args
+        stacked = {  # [L, ...] per layer parameter: local shards only, no communication; a
+            # layer without it (the other kind of a hybrid's layer) stacks zeros it never reads
+            p: jnp.stack([layer_shard(shards, i, p) for i in range(L)])
+            for p in layer_args
         }
         if k > 1:  # [L / k, k, ...]: blocks of k layers
             stacked = {p: a.reshape(L // k, k, *a.shape[1:]) for p, a in stacked.items()}
@@ -206,12 +214,19 @@ def device_forward(model: LaplaceLM, mesh: Mesh, param_specs, remat: str, eot_id
             if axis is not None and "gla" in cfg.layer_mixers:
                 log_decay = jnp.asarray(cfg.log_decay(), f32)  # [H], the same in every layer
                 decays = slice_decays(log_decay, axis, *x.shape[:2], reset)
-            x, _ = jax.lax.scan(lambda x, s: block(x, s, reset, decays), x, stacked)
+            x0 = x if cfg.attention_reads_embedding else None  # the embedding (s13.5)
+            x, _ = jax.lax.scan(lambda x, s: block(x, s, reset, decays, x0), x, stacked)
             return x
 
         top = {p: gather_weight(shards[p], *gather_args(p)) for p in TOP_LEVEL}
         top = traverse_util.unflatten_dict(top, sep="/")  # embedding, final norm, head
         return outputs(model, top, inputs, targets, reset, layers)  # [b, T / S] each
+
+    def layer_shard(shards, i, p):  # layer i's shard of parameter p, zeros if it has none
+        if f"layer_{i}/{p}" in shards:
+            return shards[f"layer_{i}/{p}"]
+        owner = next(q for q in shards if q.startswith("layer_") and q.endswith(f"/{p}"))
+        return jnp.zeros_like(shards[owner])
 
     return forward
 

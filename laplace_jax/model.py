@@ -142,6 +142,28 @@ class HeadRMSNorm(nn.Module):
         return o * jnp.repeat(gamma, self.heads_per_tier, axis=0)  # tiers of contiguous heads
 
 
+class MixerBranch(nn.Module):
+    """What a layer's mixer writes into the stream (docs/design.md s13.5), y [B, T, D] -> s y,
+    s (1 + w) y (LayerScale) or s (1 + w) RMSNorm(y) (post-norm), w [D] learned from 0, s the
+    config's `mixer_branch_multiplier`: the fixed multiplier 1 for attention layers, by
+    `gla_branch` for GLA layers. In fp32, rounded once to the stream's dtype by the caller."""
+
+    config: LaplaceConfig
+    mixer: str
+
+    @nn.compact
+    def __call__(self, y):
+        cfg = self.config
+        form, s = cfg.mixer_branch_form(self.mixer), cfg.mixer_branch_multiplier(self.mixer)
+        if form == "multiplier":
+            return y if s == 1.0 else y.astype(f32) * s  # 0.1 in a hybrid's GLA layer
+        y = y.astype(f32)
+        if form == "post_norm":  # RMS 1 per token, whatever W_out's size
+            y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), -1, keepdims=True) + cfg.norm_eps)
+        w = _param(self, "gain", nn.initializers.zeros, (y.shape[-1],), ("norm",))  # [D]
+        return y * (s * (1.0 + w))
+
+
 # How an attention layer reaches the earlier slices' keys on a context axis (docs/design.md
 # s13.3), and the default: the ring, which bench.plan measures smaller than the gather form at
 # every length it compiles (bench/results/plan.json's `attention_context_default`)
@@ -167,19 +189,25 @@ class DecoderLayer(nn.Module):
     attention_context: str = ATTENTION_CONTEXT
 
     @nn.compact
-    def __call__(self, x, state, decode: bool = False, reset=None, decays=None):
+    def __call__(self, x, state, decode: bool = False, reset=None, decays=None, embedding=None):
         # x: [B, T, D]; state: {"gla": [B, H, dk, dv], "conv": [B, W, D]}; decode: T == 1 step;
         # reset: [B, T] bool or None, document starts (GLA state and conv window zeroed before);
-        # decays: on a context axis, the step's `slice_decays` (made here when None)
+        # decays: on a context axis, the step's `slice_decays` (made here when None);
+        # embedding: [B, T, D] the scaled token embedding x_0, which a hybrid's attention layer
+        # reads beside the stream with attention_input=stream_and_embedding (else unused)
         cfg = self.config
+        mixer = self.mixer or cfg.token_mixer
         B, T, D = x.shape
         H, dk, dv, F = cfg.n_heads, cfg.d_k, cfg.d_v, cfg.ffn_dim
         dtype = jnp.dtype(cfg.compute_dtype)
         out_scale = cfg.residual_init_scale  # residual projections start small
         sliced = self.context_axis is not None and not decode
 
-        # 1-2. h = LayerNorm_1(x); u = SiLU(causal depth-wise conv(h))
+        # 1-2. h = LayerNorm_1(x); u = SiLU(causal depth-wise conv(h)); a hybrid's attention
+        # layer may read h = LayerNorm_1(x) + LayerNorm_0(x_0) (`attention_input`, s13.5)
         h = LayerNorm(cfg.norm_eps, name="ln_1")(x)
+        if mixer == "attention" and cfg.attention_reads_embedding:
+            h = h + LayerNorm(cfg.norm_eps, name="ln_0")(embedding.astype(x.dtype))
         window = state["conv"]  # [B, W, D]
         if sliced:  # the previous slice's last W inputs (zeros before the first slice)
             seg = None if reset is None else jnp.cumsum(reset, axis=1, dtype=jnp.int32)
@@ -199,7 +227,7 @@ class DecoderLayer(nn.Module):
         # (token_mixer="attention") and a hybrid's attention layers, causal softmax attention over
         # the same q, k, v (under context parallelism over this and the earlier slices' keys)
         log_decay = jnp.asarray(cfg.log_decay(), f32)  # [H]
-        if (self.mixer or cfg.token_mixer) == "attention":
+        if mixer == "attention":
             if decode:
                 raise ValueError(
                     "an attention layer (token_mixer='attention' or a hybrid's) has no recurrent "
@@ -252,10 +280,7 @@ class DecoderLayer(nn.Module):
         o = HeadRMSNorm(cfg.n_tiers, cfg.heads_per_tier, cfg.norm_eps, name="head_norm")(o)
         y = o.reshape(B, T, H * dv).astype(dtype) * nn.silu(g)
         y = Dense(D, ("attn", "embed"), (H * dv) ** -0.5 * out_scale, dtype, name="out")(y)
-        m = cfg.mixer_branch_multiplier(self.mixer or cfg.token_mixer)  # 0.1 for a hybrid's GLA
-        if m != 1.0:  # layers (`gla_branch_scale`, s13.5): in fp32, rounded once
-            y = y.astype(f32) * m
-        x = x + y.astype(x.dtype)
+        x = x + MixerBranch(cfg, mixer, name="branch")(y).astype(x.dtype)
 
         # 8. channel mixer: x += W_3 (SiLU(W_1 h2) * (W_2 h2)), W_1 and W_2 fused as W_12
         h2 = LayerNorm(cfg.norm_eps, name="ln_2")(x)
@@ -306,12 +331,14 @@ class LaplaceLM(nn.Module):
         x = self.embed(tokens) * cfg.embed_multiplier  # [B, T, D], m E[token]: m = sqrt(D) in a
         # hybrid, 1 otherwise (docs/design.md s2.2, s13.5)
         x = x.astype(jnp.dtype(cfg.compute_dtype))
-        if layers is not None:  # the decoder layers run by the caller (FSDP: gathered weights)
-            x, new_state = layers(x, reset), None
+        if layers is not None:  # the decoder layers run by the caller (FSDP: gathered weights;
+            x, new_state = layers(x, reset), None  # x_0 is the x it is given)
         else:
             state = init_state(cfg, tokens.shape[0]) if state is None else state
             new_state = {}
             kw = {} if reset is None else {"reset": reset}
+            if cfg.attention_reads_embedding:
+                kw["embedding"] = x  # x_0, beside the stream (s13.5)
             for i, layer in enumerate(self.layers):
                 x, new_state[f"layer_{i}"] = layer(x, state[f"layer_{i}"], decode, **kw)
         return x, new_state

@@ -23,8 +23,19 @@ TOKEN_MIXERS = ("gla", "attention")
 # What the token embedding's output is multiplied by (docs/design.md s2.2, s13.5): sqrt(D)
 # ("sqrt_d_model", as Gemma does) or 1 ("one"); "auto" is sqrt(D) for a hybrid, 1 otherwise.
 EMBED_SCALES = ("auto", "sqrt_d_model", "one")
-# `gla_branch_scale="auto"` in a hybrid: every GLA layer's mixer branch times 0.1 (s13.5's study)
+# How a GLA layer's mixer branch y = W_out(...) enters the residual stream (docs/design.md s13.5),
+# with s its `gla_branch_scale`: "multiplier" x += s y (fixed); "layer_scale" x += s (1 + w) y
+# (w [D] learned, from 0); "post_norm" x += s (1 + w) RMSNorm(y), s relative to the embedding's
+# RMS at initialisation. "auto" is "multiplier" (today's hybrids and pure Laplace).
+GLA_BRANCHES = ("auto", "multiplier", "layer_scale", "post_norm")
+# `gla_branch_scale="auto"` per form: the multiplier 0.1 in a hybrid (s13.5's first study) and 1
+# otherwise; LayerScale started at 0.1 (CaiT's); the post-norm at the embedding's own size
 HYBRID_GLA_BRANCH_SCALE = 0.1
+AUTO_BRANCH_SCALES = {"layer_scale": 0.1, "post_norm": 1.0}
+# What a hybrid's attention layer reads (s13.5): "stream", LayerNorm_1(x), as every layer; or
+# "stream_and_embedding", LayerNorm_1(x) + LayerNorm_0(x_0) with x_0 the scaled token embedding
+# (Zamba2's concatenated embedding, written as the sum of the two normalised halves)
+ATTENTION_INPUTS = ("stream", "stream_and_embedding")
 FP32_BYTES = 4
 BF16_BYTES = 2
 # The serving limit an export declares by default (config.json's max_position_embeddings): the
@@ -88,15 +99,29 @@ class LaplaceConfig:
         "auto",
         "the embedding's output multiplier: sqrt_d_model, one, or auto (sqrt(D) in a hybrid)",
     )
-    # A fixed multiplier on every GLA layer's mixer branch, x += m W_out(...) (not an initial
-    # scale: it holds through training): "auto" is 0.1 in a hybrid, so the GLA layers' outputs
-    # stay small beside the token identity the attention layers match on (docs/design.md s13.5:
-    # without it the 3:1 hybrid's attention layer never learns a lookup), and 1 for pure Laplace
-    # (the 3B recipe as published); or a positive number, e.g. "1" for a hybrid as before it.
+    # The size s of every GLA layer's mixer branch, read by its form (`gla_branch`): with the
+    # fixed multiplier x += s y (not an initial scale: it holds through training), "auto" is 0.1
+    # in a hybrid, so the GLA layers' outputs stay small beside the token identity the attention
+    # layers match on (docs/design.md s13.5: without it the 3:1 hybrid's attention layer never
+    # learns a lookup), and 1 for pure Laplace (the 3B recipe as published); a positive number,
+    # e.g. "1" for a hybrid as before it. With LayerScale s is the learned scale's start (auto
+    # 0.1), with the post-norm the branch's size at the start over the embedding's (auto 1).
     # The attention layers' branches are never scaled.
     gla_branch_scale: str = setting(
         "auto",
-        "multiplier on each GLA layer's mixer branch: a number, or auto (0.1 in a hybrid)",
+        "size s of each GLA layer's mixer branch (its meaning per gla_branch): a number, or auto",
+    )
+    # The form of that branch (GLA_BRANCHES above): the fixed multiplier s (`gla_branch_scale`),
+    # a learned per-channel scale s (1 + w), or a post-norm RMSNorm(y) s (1 + w) whose output's
+    # size is bounded by its gain, not by W_out (docs/design.md s13.5's second study)
+    gla_branch: str = setting(
+        "auto",
+        "form of each GLA layer's mixer branch: multiplier, layer_scale, post_norm, or auto",
+    )
+    # A hybrid's attention layers read the token embedding beside the stream (ATTENTION_INPUTS)
+    attention_input: str = setting(
+        "stream",
+        "what a hybrid's attention layers read: stream, or stream_and_embedding",
     )
 
     def __post_init__(self):
@@ -122,14 +147,34 @@ class LaplaceConfig:
             scale = "sqrt_d_model" if self.attention_every else "one"
         return math.sqrt(self.d_model) if scale == "sqrt_d_model" else 1.0
 
+    def mixer_branch_form(self, mixer: str) -> str:
+        """How a layer's mixer branch enters the stream: `gla_branch` for a GLA layer ("auto":
+        "multiplier"), "multiplier" (by 1) for an attention layer."""
+        if mixer == "attention" or self.gla_branch == "auto":
+            return "multiplier"
+        return self.gla_branch
+
     def mixer_branch_multiplier(self, mixer: str) -> float:
-        """A layer's mixer branch is multiplied by this: `gla_branch_scale` for a GLA layer
-        (0.1 in a hybrid when "auto", else 1), 1 for an attention layer."""
+        """The constant s a layer's mixer branch is multiplied by (x += s y, s (1 + w) y, or
+        s (1 + w) RMSNorm(y), by `mixer_branch_form`): 1 for an attention layer; for a GLA layer
+        `gla_branch_scale` ("auto": 0.1 in a hybrid and 1 otherwise for the multiplier, 0.1 for
+        LayerScale), and for the post-norm that number times the embedding's RMS at
+        initialisation, init_std times its multiplier (1: the branch starts at the token's size)."""
         if mixer == "attention":
             return 1.0
-        if self.gla_branch_scale == "auto":
-            return HYBRID_GLA_BRANCH_SCALE if self.attention_every else 1.0
-        return float(self.gla_branch_scale)
+        form = self.mixer_branch_form(mixer)
+        if self.gla_branch_scale != "auto":
+            s = float(self.gla_branch_scale)
+        elif form == "multiplier":
+            s = HYBRID_GLA_BRANCH_SCALE if self.attention_every else 1.0
+        else:
+            s = AUTO_BRANCH_SCALES[form]
+        return s * self.init_std * self.embed_multiplier if form == "post_norm" else s
+
+    @property
+    def attention_reads_embedding(self) -> bool:
+        """A hybrid's attention layers read LayerNorm_1(x) + LayerNorm_0(x_0) (attention_input)."""
+        return self.attention_input == "stream_and_embedding"
 
     @property
     def residual_init_scale(self) -> float:
@@ -335,6 +380,17 @@ def validate(cfg: LaplaceConfig) -> None:
         raise ConfigError(
             f"gla_branch_scale must be 'auto' or a positive number, got {cfg.gla_branch_scale!r}"
         )
+    if cfg.gla_branch not in GLA_BRANCHES:
+        raise ConfigError(f"gla_branch must be one of {GLA_BRANCHES}, got {cfg.gla_branch!r}")
+    if cfg.attention_input not in ATTENTION_INPUTS:
+        raise ConfigError(
+            f"attention_input must be one of {ATTENTION_INPUTS}, got {cfg.attention_input!r}"
+        )
+    if cfg.attention_reads_embedding and not cfg.attention_every:
+        raise ConfigError(
+            "attention_input=stream_and_embedding is for a hybrid's attention layers: it needs "
+            "attention_every >= 2"
+        )
     if cfg.token_mixer not in TOKEN_MIXERS:
         raise ConfigError(f"token_mixer must be one of {TOKEN_MIXERS}, got {cfg.token_mixer!r}")
     k = cfg.attention_every
@@ -369,11 +425,14 @@ def saved_before(saved: dict[str, Any]) -> dict[str, Any]:
     model, so such a checkpoint resumes under today's defaults whenever it can
     (`LaplaceConfig.from_saved`, train/checkpoint.py's resume check). `embed_scale`: a hybrid
     saved before it had an unscaled embedding ("one"); `gla_branch_scale`: a hybrid saved before
-    it had its GLA branches unscaled ("1"); for any other model "auto" is 1 for both."""
+    it had its GLA branches unscaled ("1"); for any other model "auto" is 1 for both.
+    `gla_branch` and `attention_input` were added as options with today's forms their defaults."""
     hybrid = bool(saved.get("attention_every"))
     return {
         "embed_scale": "one" if hybrid else "auto",
         "gla_branch_scale": "1" if hybrid else "auto",
+        "gla_branch": "auto",
+        "attention_input": "stream",
     }
 
 

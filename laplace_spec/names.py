@@ -63,12 +63,14 @@ class Entry:
 
 def table(cfg: LaplaceConfig) -> list[Entry]:
     """Every parameter of a Laplace model of this config, in a fixed order."""
-    V, D, L = cfg.vocab_size, cfg.d_model, cfg.n_layers
+    V, D = cfg.vocab_size, cfg.d_model
     H, dk, dv = cfg.n_heads, cfg.d_k, cfg.d_v
     W, F, n_tiers, qkvg = cfg.conv_width, cfg.ffn_dim, cfg.n_tiers, cfg.qkvg_dim
     out = [Entry("embed/embedding", "model.embed_tokens.weight", (V, D), "identity")]
-    for i in range(L):
+    for i, mixer in enumerate(cfg.layer_mixers):
         j, t = f"layer_{i}", f"model.layers.{i}"
+        if mixer == "attention" and cfg.attention_reads_embedding:  # LayerNorm_0 of x_0 (s13.5)
+            out.append(Entry(f"{j}/ln_0/scale", f"{t}.ln_0.weight", (D,), "identity"))
         out += [
             Entry(f"{j}/ln_1/scale", f"{t}.ln_1.weight", (D,), "identity"),
             Entry(f"{j}/conv/kernel", f"{t}.mixer.conv_weight", (D, W), "identity"),
@@ -77,6 +79,10 @@ def table(cfg: LaplaceConfig) -> list[Entry]:
             Entry(f"{j}/aug_balance", f"{t}.mixer.aug_balance", (H, dk), "identity"),
             Entry(f"{j}/head_norm/scale", f"{t}.mixer.head_norm_weight", (n_tiers, dv), "identity"),
             Entry(f"{j}/out/kernel", f"{t}.mixer.out_proj.weight", (H * dv, D), "kernel_to_linear"),
+        ]
+        if cfg.mixer_branch_form(mixer) != "multiplier":  # w of s (1 + w) (s13.5)
+            out.append(Entry(f"{j}/branch/gain", f"{t}.mixer.branch_gain", (D,), "identity"))
+        out += [
             Entry(f"{j}/ln_2/scale", f"{t}.ln_2.weight", (D,), "identity"),
             Entry(f"{j}/w12/kernel", f"{t}.mlp.w12.weight", (D, 2 * F), "kernel_to_linear"),
             Entry(f"{j}/w3/kernel", f"{t}.mlp.w3.weight", (F, D), "kernel_to_linear"),

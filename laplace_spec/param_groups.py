@@ -34,12 +34,14 @@ ADAMW_VECTOR = ParamGroup("adamw", weight_decay=False, gather_in_compute_dtype=F
 PARAM_GROUPS: dict[str, ParamGroup] = {
     "embed/embedding": ADAMW_MATRIX,
     "layer/ln_1/scale": ADAMW_VECTOR,
+    "layer/ln_0/scale": ADAMW_VECTOR,  # a hybrid's attention layers reading x_0 (s13.5)
     "layer/conv/kernel": ADAMW_CONV,  # [D, W], applied in fp32 by the causal conv
     "layer/conv/bias": ADAMW_VECTOR,
     "layer/qkvg/kernel": MUON,
     "layer/aug_balance": ADAMW_VECTOR,
     "layer/head_norm/scale": ADAMW_VECTOR,
     "layer/out/kernel": MUON,
+    "layer/branch/gain": ADAMW_VECTOR,  # w of a GLA branch's s (1 + w) (s13.5)
     "layer/ln_2/scale": ADAMW_VECTOR,
     "layer/w12/kernel": MUON,
     "layer/w3/kernel": MUON,

@@ -187,8 +187,11 @@ class LaplaceMixer(nn.Module):
         self.aug_balance = nn.Parameter(torch.zeros(c.n_heads, c.d_k))
         self.head_norm_weight = nn.Parameter(torch.ones(c.n_tiers, c.d_v))
         self.out_proj = linear("out_proj", c.n_heads * c.d_v, c.d_model)
-        # 0.1 for a hybrid's GLA layer, else 1 (`gla_branch_scale`, docs/design.md s13.5)
-        self.branch_multiplier = c.mixer_branch_multiplier(self.kind)
+        # what the branch writes (docs/design.md s13.5): s y, s (1 + w) y or s (1 + w) RMSNorm(y)
+        self.branch_form = c.mixer_branch_form(self.kind)
+        self.branch_multiplier = c.mixer_branch_multiplier(self.kind)  # s: 0.1 in a hybrid's GLA
+        if self.branch_form != "multiplier":
+            self.branch_gain = nn.Parameter(torch.zeros(c.d_model))  # w
         self.log_decay = c.log_decay()  # H fp64 numbers: the decays are fixed, not parameters
         self._log_decay_f32: torch.Tensor | None = None
 
@@ -253,10 +256,18 @@ class LaplaceMixer(nn.Module):
         o = o * self.head_norm_weight.to(f32)[:, None, :]  # [..., tiers, H / tiers, dv]
         # the gate in fp32, rounded to the activations' dtype once (the bf16 contract, s12.4)
         y = (o.view(*lead, H * dv) * F.silu(g.to(f32))).to(g.dtype)
-        y = self.out_proj(y)
-        if self.branch_multiplier != 1.0:  # in fp32, rounded once, as JAX does
-            y = (y.float() * self.branch_multiplier).to(y.dtype)
-        return y
+        return self.branch(self.out_proj(y))
+
+    def branch(self, y):
+        """What the mixer writes into the stream, y [..., D] -> s y, s (1 + w) y or
+        s (1 + w) RMSNorm(y) (`branch_form`): in fp32, rounded once, as JAX does."""
+        s = self.branch_multiplier
+        if self.branch_form == "multiplier":
+            return y if s == 1.0 else (y.float() * s).to(y.dtype)
+        y32 = y.float()
+        if self.branch_form == "post_norm":  # y rsqrt(mean(y^2) + eps)
+            y32 = F.rms_norm(y32, (y32.shape[-1],), eps=self.eps)
+        return (y32 * (s * (1.0 + self.branch_gain.float()))).to(y.dtype)
 
 
 class LaplaceAttentionMixer(LaplaceMixer):
@@ -327,16 +338,26 @@ class LaplaceDecoderLayer(nn.Module):
         super().__init__()
         self.ln_1 = LaplaceLayerNorm(config.d_model, config.norm_eps)
         self.mixer = mixer if mixer is not None else LaplaceMixer(config)
+        if self.mixer.kind == "attention" and config.attention_reads_embedding:
+            self.ln_0 = LaplaceLayerNorm(config.d_model, config.norm_eps)  # x_0's (s13.5)
         self.ln_2 = LaplaceLayerNorm(config.d_model, config.norm_eps)
         self.mlp = LaplaceMLP(config)
 
-    def forward(self, x, window, *mixer_state):
+    def forward(self, x, window, *mixer_state, embedding=None):
         """`mixer_state`: the GLA matrices, or (an attention layer's) the keys and values and
-        the valid mask; returns x, the new window and the mixer's new state."""
-        y, window, new = self.mixer(self.ln_1(x), window, *mixer_state)
+        the valid mask; `embedding`: the scaled token embedding x_0, which an attention layer
+        with `ln_0` reads beside the stream. Returns x, the new window and the mixer's state."""
+        y, window, new = self.mixer(mixer_input(self, x, embedding), window, *mixer_state)
         x = x + y
         x = x + self.mlp(self.ln_2(x))
         return x, window, new
+
+
+def mixer_input(layer: nn.Module, x, embedding):
+    """A layer's mixer reads h = LayerNorm_1(x), or LayerNorm_1(x) + LayerNorm_0(x_0) for a
+    hybrid's attention layer under attention_input=stream_and_embedding (docs/design.md s13.5)."""
+    h = layer.ln_1(x)
+    return h + layer.ln_0(embedding) if hasattr(layer, "ln_0") else h
 
 
 class LaplaceModel(nn.Module):
@@ -356,10 +377,10 @@ class LaplaceModel(nn.Module):
         valid = state.valid  # a hybrid: the real tokens among the keys, these T appended
         if valid is not None:
             valid = torch.cat([valid, valid.new_ones(input_ids.shape)], 1)
-        gla, conv, kv = [], [], []
+        gla, conv, kv, x0 = [], [], [], x
         for i, layer in enumerate(self.layers):
             if isinstance(layer.mixer, LaplaceAttentionMixer):
-                x, w, pair = layer(x, state.conv[i], state.kv[i], valid)
+                x, w, pair = layer(x, state.conv[i], state.kv[i], valid, embedding=x0)
                 gla.append(state.gla[i])  # keeps no GLA matrices
                 kv.append(pair)
             else:

@@ -101,7 +101,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from laplace_spec import names
 from laplace_spec.config import LaplaceConfig
 from serve.kernels import causal_conv, gla_chunked, silu_and_mul
-from serve.modeling_laplace import LaplaceLayerNorm, LaplaceMixer
+from serve.modeling_laplace import LaplaceLayerNorm, LaplaceMixer, mixer_input
 
 f32 = torch.float32
 
@@ -153,6 +153,8 @@ class LaplaceVLLMMixer(MambaBase, LaplaceMixer):
         self.config = config
         for p in (self.conv_weight, self.conv_bias, self.aug_balance, self.head_norm_weight):
             p.requires_grad_(False)  # loaded, never trained (as vLLM's own parameters)
+        if self.branch_form != "multiplier":
+            self.branch_gain.requires_grad_(False)
         self.prefix = prefix
         vllm_config = get_current_vllm_config()
         self.state_dtype = state_dtypes(vllm_config)
@@ -421,13 +423,15 @@ class LaplaceVLLMDecoderLayer(nn.Module):
     def __init__(self, config: LaplaceConfig, mixer: str, prefix: str):
         super().__init__()
         self.ln_1 = LaplaceLayerNorm(config.d_model, config.norm_eps)
+        if mixer == "attention" and config.attention_reads_embedding:
+            self.ln_0 = LaplaceLayerNorm(config.d_model, config.norm_eps)  # x_0's (s13.5)
         Mixer = LaplaceVLLMAttentionMixer if mixer == "attention" else LaplaceVLLMMixer
         self.mixer = Mixer(config, prefix=f"{prefix}.mixer")
         self.ln_2 = LaplaceLayerNorm(config.d_model, config.norm_eps)
         self.mlp = LaplaceVLLMMLP(config, prefix=f"{prefix}.mlp")
 
-    def forward(self, x):  # x: [N, D]
-        x = x + self.mixer(self.ln_1(x))
+    def forward(self, x, embedding):  # x, embedding (x_0): [N, D]
+        x = x + self.mixer(mixer_input(self, x, embedding))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -455,8 +459,9 @@ class LaplaceVLLMModel(nn.Module):
     ) -> torch.Tensor:
         e = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
         x = (e.float() * self.embed_multiplier).to(e.dtype)  # scaled in fp32, as JAX does
+        x0 = x
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, x0)
         return self.norm(x)
 
 

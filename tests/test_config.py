@@ -127,6 +127,39 @@ def test_gla_branch_scale_default_and_a_config_saved_before_it():
     assert LaplaceConfig.from_saved(saved) == tiny  # pure Laplace: today's model
 
 
+def test_gla_branch_forms_and_attention_input():
+    """The branch forms' constant s (docs/design.md s13.5): LayerScale starts at 0.1, the
+    post-norm at the scaled embedding's RMS at initialisation (init_std sqrt(D) in a hybrid),
+    both times gla_branch_scale when it is a number; attention layers are never scaled; reading
+    the embedding is for a hybrid only; bad values are refused naming the field; a saved config
+    without the fields predates them and is today's model."""
+    hybrid = PRESETS["tiny"].replace(attention_every=2)
+    assert hybrid.mixer_branch_form("gla") == "multiplier" and not hybrid.attention_reads_embedding
+    scaled = hybrid.replace(gla_branch="layer_scale")
+    assert scaled.mixer_branch_form("gla") == "layer_scale"
+    assert scaled.mixer_branch_multiplier("gla") == 0.1
+    assert scaled.replace(gla_branch_scale="0.5").mixer_branch_multiplier("gla") == 0.5
+    normed = hybrid.replace(gla_branch="post_norm")
+    embedding_rms = hybrid.init_std * hybrid.d_model**0.5
+    assert normed.mixer_branch_multiplier("gla") == pytest.approx(embedding_rms)
+    half = normed.replace(gla_branch_scale="0.5").mixer_branch_multiplier("gla")
+    assert half == pytest.approx(0.5 * embedding_rms)
+    for cfg in (scaled, normed):
+        assert cfg.mixer_branch_form("attention") == "multiplier"
+        assert cfg.mixer_branch_multiplier("attention") == 1.0
+    assert hybrid.replace(attention_input="stream_and_embedding").attention_reads_embedding
+    with pytest.raises(ConfigError, match="gla_branch must be one of"):
+        hybrid.replace(gla_branch="postnorm")
+    with pytest.raises(ConfigError, match="attention_input must be one of"):
+        hybrid.replace(attention_input="embedding")
+    with pytest.raises(ConfigError, match="needs attention_every >= 2"):
+        PRESETS["tiny"].replace(attention_input="stream_and_embedding")
+    saved = {
+        k: v for k, v in hybrid.to_dict().items() if k not in ("gla_branch", "attention_input")
+    }
+    assert LaplaceConfig.from_saved(saved) == hybrid
+
+
 def test_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         PRESETS["tiny"].n_layers = 5

@@ -180,6 +180,23 @@ def test_hybrid_block_scan_and_context_parallel_equal_the_single_device_model(
     assert_equals_the_single_device_model(HYBRID, batch, data, context, masked, form)
 
 
+def test_the_branch_forms_on_a_ring_equal_the_single_device_model():
+    """The GLA branch post-normed with a learned gain and the attention layer reading the
+    embedding beside the stream (docs/design.md s13.5): parameters only one kind of layer has
+    (FSDP stacks zeros for the other) and x_0 carried through the block scan, on context=4 with
+    the ring: the one-device loss and gradients, the gains and norm scales made random."""
+    cfg = HYBRID.replace(gla_branch="post_norm", attention_input="stream_and_embedding")
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, cfg.vocab_size, (8, cfg.seq_len + 1))
+    mask = rng.random((8, cfg.seq_len)) < 0.3
+    params = init_params(cfg, jax.random.key(0))
+    for i, mixer in enumerate(cfg.layer_mixers):
+        name = ("branch", "gain") if mixer == "gla" else ("ln_0", "scale")
+        params[f"layer_{i}"][name[0]][name[1]] = jnp.asarray(rng.normal(0.5, 0.3, cfg.d_model))
+    batch = jnp.asarray(tokens, jnp.int32), jnp.asarray(mask), params
+    assert_equals_the_single_device_model(cfg, batch, 1, 4, True, "ring")
+
+
 HYBRID_RUN = ["--config", "tiny", "attention_every=2", "--mesh", "data=2,fsdp=1,context=4"]
 
 

@@ -104,3 +104,44 @@ def test_greedy_tokens_equal_jax_and_generate(hybrid, model):
         eos_token_id=None,
     )
     assert out[:, T:].tolist() == want
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        {"gla_branch": "layer_scale"},
+        {"gla_branch": "post_norm", "attention_input": "stream_and_embedding"},
+    ],
+    ids=["layer_scale", "post_norm-reads_embedding"],
+)
+def test_each_branch_form_exports_and_decodes_as_jax_computes(tmp_path, form):
+    """The hybrid's other forms (docs/design.md s13.5): a GLA branch s (1 + w) y or
+    s (1 + w) RMSNorm(y), an attention layer reading LayerNorm_1(x) + LayerNorm_0(x_0); with
+    random gains and norm scales the exported model's logits equal JAX's, and a prefill then
+    one token at a time gives the full forward's logits (x_0 carried into every step)."""
+    from laplace_export_helpers import random_params, tiny_config
+
+    from export import exporter
+
+    cfg = tiny_config().replace(attention_every=2, **form)
+    params = random_params(cfg, seed=5, noise=0.3)
+    folder = exporter.export_model(cfg, params, tmp_path / "model", max_len=1024)
+    model = LaplaceForCausalLM.from_exported(folder)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 40)).astype(np.int32)
+    want, _ = jax.jit(LaplaceLM(cfg).apply)({"params": params}, tokens)
+    ids = torch.tensor(tokens, dtype=torch.long)
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :30])
+        steps = [out.logits[:, -1]]
+        for t in range(30, 39):
+            out = model(ids[:, t : t + 1], state=out.state)
+            steps.append(out.logits[:, -1])
+    np.testing.assert_allclose(full.numpy(), np.asarray(want), atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, 29:39])
+    # the form is carried (a model without it differs)
+    plain, _ = LaplaceLM(tiny_config().replace(attention_every=2)).apply(
+        {"params": random_params(tiny_config().replace(attention_every=2), seed=5, noise=0.3)},
+        tokens,
+    )
+    assert float(np.abs(np.asarray(plain) - np.asarray(want)).max()) > 1e-2

@@ -33,7 +33,13 @@ def test_param_groups_table_is_the_documented_contract():
     documented = {table_key(p.replace("{i}", "0")): opt.lower() for p, opt in rows}
     assert documented == {k: g.optimizer for k, g in PARAM_GROUPS.items()}
     shapes = flatten_dict(abstract_params(PRESETS["laplace-3b"]), sep="/")
-    assert {table_key(p) for p in shapes} == set(PARAM_GROUPS)
+    # the rows only a hybrid's optional forms use (design s13.5)
+    forms = PRESETS["tiny"].replace(
+        attention_every=2, gla_branch="post_norm", attention_input="stream_and_embedding"
+    )
+    optional = {table_key(p) for p in flatten_dict(abstract_params(forms), sep="/")}
+    assert optional - {table_key(p) for p in shapes} == {"layer/branch/gain", "layer/ln_0/scale"}
+    assert {table_key(p) for p in shapes} | optional == set(PARAM_GROUPS)
     assert sum(param_group(p).optimizer == "muon" for p in shapes) == 96
     with pytest.raises(KeyError, match="layer_0/nope"):
         param_group("layer_0/nope")
