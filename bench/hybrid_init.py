@@ -53,7 +53,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 from unittest import mock
@@ -72,6 +74,17 @@ from bench.retrieval import (
 from laplace_spec.config import LaplaceConfig
 
 UNSCALED_GLA = ["gla_branch_scale=1"]
+# the second study's forms of a hybrid (s13.5), each a configuration: the GLA branch post-normed
+# (s (1 + w) RMSNorm(y), s the embedding's size at initialisation), the attention layers reading
+# the embedding beside the stream (GLA branches unscaled), a learned LayerScale from 0.1
+BRANCH_FORMS = {
+    "post_norm": ["gla_branch=post_norm"],
+    "post_norm_0.25": ["gla_branch=post_norm", "gla_branch_scale=0.25"],
+    "post_norm_0.1": ["gla_branch=post_norm", "gla_branch_scale=0.1"],
+    "reads_embedding": ["attention_input=stream_and_embedding", *UNSCALED_GLA],
+    "post_norm_reads_embedding": ["gla_branch=post_norm", "attention_input=stream_and_embedding"],
+    "layer_scale": ["gla_branch=layer_scale"],
+}
 AS_BUILT = ["embed_scale=one", *UNSCALED_GLA]
 # variant -> (mixer, learning rate, config overrides (none: today's defaults), patch)
 VARIANTS = {
@@ -87,6 +100,13 @@ VARIANTS = {
     "hybrid4_gla_x0.3": ("hybrid4", 1e-2, ["gla_branch_scale=0.3"], None),
     "hybrid4_attn_first": ("hybrid4", 1e-2, UNSCALED_GLA, "attn_first"),
     "attention4": ("attention4", 1e-2, [], None),
+    # the second study (s13.5): forms that bound what a GLA branch writes, at both rates
+    **{
+        f"{layout}_{form}{suffix}": (layout, lr, changes, None)
+        for layout in ("hybrid", "hybrid4")
+        for form, changes in BRANCH_FORMS.items()
+        for suffix, lr in (("", 1e-2), ("_lr0.03", 3e-2))
+    },
     "laplace": ("gla", 3e-2, [], None),
     "laplace_sqrt_d": ("gla", 3e-2, ["embed_scale=sqrt_d_model"], None),
 }
@@ -174,6 +194,10 @@ def key_query_cosine(x, tokens) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.hybrid_init", description=__doc__)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--only-seeds", help="comma list: these of the --seeds seeds (a subset)")
+    ap.add_argument(
+        "--reuse-only", action="store_true", help="train nothing: the finished runs' table"
+    )
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--work-dir", default="runs/bench-retrieval", help="bench.retrieval's")
@@ -181,10 +205,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     variants = chosen(ap, args.variants, VARIANTS, "variant")
     flags = ["--task", "mqar", "--seq-lens", "64,128,256", "--pairs", "4,8,16"]
+    seeds = list(range(args.seeds))
+    if args.only_seeds:
+        seeds = [int(s) for s in args.only_seeds.split(",") if int(s) in seeds]
     rows, t0 = [], time.perf_counter()
     for variant in variants:
         mixer, lr, changes, patch = VARIANTS[variant]
-        for seed in range(args.seeds):
+        for seed in seeds:
             spec = mqar_spec(mixer, seed, lr)
             if changes or patch is not None:  # not bench.retrieval's own run
                 spec |= {"variant": variant}
@@ -196,12 +223,15 @@ def main(argv=None) -> int:
                     flags,
                     lambda *a: print(*a, flush=True),
                     overrides=changes,
+                    reuse_only=args.reuse_only,
                 )
-            rows.append({**r, "variant": variant})
+            if r is not None:
+                rows.append({**r, "variant": variant})
     table = []
-    for variant in variants:
+    for variant in [v for v in variants if any(r["variant"] == v for r in rows)]:
         runs = [r for r in rows if r["variant"] == variant]
         row = {"variant": variant, "final_loss": [round(r["final_loss"], 4) for r in runs]}
+        row["seeds"] = [r["seed"] for r in runs]
         if VARIANTS[variant][0].startswith("hybrid"):
             row["identity_cosine"] = round(identity_cosine(variant), 3)
         for T, P in MQAR_SETTINGS:
@@ -235,6 +265,8 @@ def main(argv=None) -> int:
                 if v in variants
             },
             elapsed_s=round(time.perf_counter() - t0, 1),
+            train_and_eval_s=round(sum(r["train_s"] + r["eval_s"] for r in rows), 1),
+            command=f"python -m bench.hybrid_init {shlex.join(argv or sys.argv[1:])}".strip(),
             table=table,
             runs=rows,
         )

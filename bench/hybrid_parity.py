@@ -8,6 +8,10 @@ sequence for each token of a model with attention layers), the PyTorch model, vL
 vLLM compiled (fp32); then the bf16 export with the PyTorch model in bf16 and vLLM eager in bf16
 (the write-up's check: the steps on which the two agree before they first differ).
 
+`--set KEY=VALUE ...` adds model settings to the training run (a branch form of docs/design.md
+s13.5, e.g. `--set gla_branch=post_norm attention_input=stream_and_embedding`) and `--result
+NAME` writes bench/results/NAME.json instead.
+
 Writes bench/results/hybrid_parity.json: headline `hybrid_greedy_equal_fp32` (1 when every
 prompt's tokens are equal across the four, else the share of prompts that are) and
 `hybrid_bf16_steps_equal_min` (the fewest leading steps on which bf16 vLLM and bf16 PyTorch
@@ -43,11 +47,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.hybrid_parity", description=__doc__)
     ap.add_argument("--steps", type=int, default=300, help="training steps of the tiny hybrid")
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model settings")
+    ap.add_argument("--result", default="hybrid_parity", help="bench/results/<RESULT>.json")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         run_dir, py = Path(tmp) / "run", sys.executable
-        train = [py, "-m", "train.main", "--config", "tiny", "attention_every=2"]
+        train = [py, "-m", "train.main", "--config", "tiny", "attention_every=2", *args.set]
         run_or_exit(
             train + ["--steps", str(args.steps), "--run-dir", str(run_dir), "--no-progress"]
         )
@@ -72,9 +78,10 @@ def main(argv=None) -> int:
         "hybrid_bf16_steps_equal_min": min(agree),
     }
     path = write_result(
-        "hybrid_parity",
+        args.result,
         headline,
         steps=args.steps,
+        settings=args.set,
         loss_first_last=[losses[0], losses[-1]],
         prompts=prompts,
         new_tokens=args.new_tokens,

@@ -34,11 +34,27 @@ from pathlib import Path
 
 from bench.common import RESULTS, chosen, write_result
 
+READS_EMBEDDING = ["attention_input=stream_and_embedding", "gla_branch_scale=1"]
+POST_NORM = ["gla_branch=post_norm"]
 RUNS = {
     "laplace": [],
     "hybrid": ["attention_every=4"],
     "hybrid_sqrt_d": ["attention_every=4", "gla_branch_scale=1"],
     "hybrid_unscaled": ["attention_every=4", "embed_scale=one", "gla_branch_scale=1"],
+    "hybrid_post_norm": ["attention_every=4", "gla_branch=post_norm"],
+    "hybrid_post_norm_0.25": ["attention_every=4", *POST_NORM, "gla_branch_scale=0.25"],
+    "hybrid_post_norm_0.1": ["attention_every=4", *POST_NORM, "gla_branch_scale=0.1"],
+    "hybrid_reads_embedding": ["attention_every=4", *READS_EMBEDDING],
+    "hybrid_post_norm_reads_embedding": [
+        "attention_every=4",
+        *POST_NORM,
+        "attention_input=stream_and_embedding",
+    ],
+    "hybrid_layer_scale": ["attention_every=4", "gla_branch=layer_scale"],
+    "hybrid2": ["attention_every=2"],
+    "hybrid2_post_norm": ["attention_every=2", "gla_branch=post_norm"],
+    "hybrid2_post_norm_0.25": ["attention_every=2", *POST_NORM, "gla_branch_scale=0.25"],
+    "hybrid2_reads_embedding": ["attention_every=2", *READS_EMBEDDING],
     "attention": ["token_mixer=attention"],
     "laplace_sqrt_d": ["embed_scale=sqrt_d_model"],
 }

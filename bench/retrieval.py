@@ -175,11 +175,18 @@ def evaluate(run_dir: Path, flags: list[str]) -> dict:
 
 
 def run_one(
-    work: Path, spec: dict, steps: int, eval_flags: list[str], say, fresh=False, overrides=()
-) -> dict:
+    work: Path,
+    spec: dict,
+    steps: int,
+    eval_flags: list[str],
+    say,
+    fresh=False,
+    overrides=(),
+    reuse_only=False,
+) -> dict | None:
     """Train and score one model, or reuse a finished one's result when its training arguments,
     evaluation flags and code version are all the same (`fresh`: never reuse; `overrides`: more
-    config fields, `train_args`)."""
+    config fields, `train_args`; `reuse_only`: None rather than train)."""
     name = "-".join(f"{k}{v:g}" if k == "lr" else f"{k}{v}" for k, v in spec.items() if k != "task")
     name += f"-steps{steps}-" + spec["task"].replace(":", "_").replace("=", "").replace(",", "_")
     run_dir = work / name
@@ -191,6 +198,8 @@ def run_one(
         if result.get("key") == key:
             say(f"  {name}: reused")
             return {**result, "reused_from": str(run_dir)}
+    if reuse_only:
+        return None
     if run_dir.exists():  # another code version or other arguments: train again from scratch
         shutil.rmtree(run_dir)
     seconds = train(args, run_dir)

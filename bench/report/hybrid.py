@@ -20,6 +20,7 @@ def hybrid_init(name: str = "hybrid_init") -> str:
     "hybrid4_init": its 3:1 study."""
     d = load(name)
     settings = [k for k in d["table"][0] if k[0].isdigit()]
+    per_row = "seeds" in d["table"][0]  # studies whose variants have different seeds
     rows = []
     for r in d["table"]:
         v = d["variants"][r["variant"]]
@@ -28,20 +29,31 @@ def hybrid_init(name: str = "hybrid_init") -> str:
             for k in settings
         ]
         cos = r.get("identity_cosine")
+        seeds = [", ".join(str(s) for s in r["seeds"])] if per_row else []
         rows.append(
-            [f"`{r['variant']}`", f"{v['lr']:g}", *cells]
+            [f"`{r['variant']}`", f"{v['lr']:g}", *seeds, *cells]
             + [
                 " / ".join(f"{x:.3g}" for x in r["final_loss"]),
                 "-" if cos is None else f"{cos:.2f}",
             ]
         )
-    head = ["variant", "lr", *(f"({k.replace('_', ', ')})" for k in settings)]
+    head = ["variant", "lr", *(["seeds"] if per_row else [])]
+    head += [f"({k.replace('_', ', ')})" for k in settings]
     head += ["final loss per seed", "identity cosine at init"]
+    mean = "mean over its seeds" if per_row else f"mean of {d['seeds']} seeds"
+    command = d.get("command") or (  # the first two studies' files predate the field
+        "python -m bench.hybrid_init" + ("" if name == "hybrid_init" else " " + HYBRID4_INIT)
+    )
+    took = (  # a table of reused runs: their own training and scoring time
+        f"{minutes(d['train_and_eval_s'])} of training and scoring"
+        if "train_and_eval_s" in d
+        else minutes(d["elapsed_s"])
+    )
     return (
-        f"`python -m bench.hybrid_init{'' if name == 'hybrid_init' else ' ' + HYBRID4_INIT}` "
+        f"`{command}` "
         f"(`bench/results/{name}.json`, "
-        f"{minutes(d['elapsed_s'])} on this project's {d['machine']['cores']}-core CPU machine): "
-        f"MQAR accuracy, mean of {d['seeds']} seeds (each seed in brackets), trained on (64, 4) "
+        f"{took} on this project's {d['machine']['cores']}-core CPU machine): "
+        f"MQAR accuracy, {mean} (each seed in brackets), trained on (64, 4) "
         f"for {d['steps']:,} steps:\n\n" + table(head, rows)
     )
 
@@ -120,12 +132,19 @@ def quality() -> str:
     )
 
 
-def hybrid_parity() -> str:
-    d = load("hybrid_parity")
+def hybrid_parity(name: str = "hybrid_parity") -> str:
+    """bench.hybrid_parity of the default hybrid, or (`name`) of one trained with `--set`."""
+    d = load(name)
     h, n, k = d["headline"], d["new_tokens"], len(d["prompts"])
     fp32 = "equal on every prompt" if h["hybrid_greedy_equal_fp32"] == 1 else "not all equal"
+    settings = d.get("settings") or []
+    flags = "".join(f" {s}" for s in settings)
+    command = "python -m bench.hybrid_parity" + (
+        f" --set{flags} --result {name}" if settings else ""
+    )
+    model = f" (`{' '.join(settings)}`)" if settings else ""
     return (
-        f"`python -m bench.hybrid_parity` (`bench/results/hybrid_parity.json`): the tiny hybrid "
+        f"`{command}` (`bench/results/{name}.json`): the tiny hybrid{model} "
         f"trained {d['steps']} steps (loss {d['loss_first_last'][0]:.2f} -> "
         f"{d['loss_first_last'][1]:.2f}), {k} prompts, {n} greedy tokens each: JAX, PyTorch, "
         f"vLLM eager and vLLM compiled (fp32) {fp32}; bf16 vLLM and bf16 PyTorch agree on the "
@@ -196,8 +215,10 @@ def serve_hybrid() -> str:
 BLOCKS = {
     "hybrid-init": hybrid_init,
     "hybrid4-init": lambda: hybrid_init("hybrid4_init"),
+    "hybrid-branch": lambda: hybrid_init("hybrid_branch"),
     "plan-hybrid": plan_hybrid,
     "quality": quality,
     "hybrid-parity": hybrid_parity,
+    "hybrid-parity-forms": lambda: hybrid_parity("hybrid_parity_forms"),
     "serve-hybrid": serve_hybrid,
 }
