@@ -63,6 +63,7 @@ from unittest import mock
 import jax
 
 from bench.common import chosen, write_result
+from bench.quality import BRANCH_FORMS
 from bench.retrieval import (
     MIXER_SETTINGS,
     MQAR_SETTINGS,
@@ -74,17 +75,6 @@ from bench.retrieval import (
 from laplace_spec.config import LaplaceConfig
 
 UNSCALED_GLA = ["gla_branch_scale=1"]
-# the second study's forms of a hybrid (s13.5), each a configuration: the GLA branch post-normed
-# (s (1 + w) RMSNorm(y), s the embedding's size at initialisation), the attention layers reading
-# the embedding beside the stream (GLA branches unscaled), a learned LayerScale from 0.1
-BRANCH_FORMS = {
-    "post_norm": ["gla_branch=post_norm"],
-    "post_norm_0.25": ["gla_branch=post_norm", "gla_branch_scale=0.25"],
-    "post_norm_0.1": ["gla_branch=post_norm", "gla_branch_scale=0.1"],
-    "reads_embedding": ["attention_input=stream_and_embedding", *UNSCALED_GLA],
-    "post_norm_reads_embedding": ["gla_branch=post_norm", "attention_input=stream_and_embedding"],
-    "layer_scale": ["gla_branch=layer_scale"],
-}
 AS_BUILT = ["embed_scale=one", *UNSCALED_GLA]
 # variant -> (mixer, learning rate, config overrides (none: today's defaults), patch)
 VARIANTS = {
@@ -100,7 +90,8 @@ VARIANTS = {
     "hybrid4_gla_x0.3": ("hybrid4", 1e-2, ["gla_branch_scale=0.3"], None),
     "hybrid4_attn_first": ("hybrid4", 1e-2, UNSCALED_GLA, "attn_first"),
     "attention4": ("attention4", 1e-2, [], None),
-    # the second study (s13.5): forms that bound what a GLA branch writes, at both rates
+    # the second study (s13.5): forms that bound what a GLA branch writes (bench.quality's
+    # BRANCH_FORMS), at both rates
     **{
         f"{layout}_{form}{suffix}": (layout, lr, changes, None)
         for layout in ("hybrid", "hybrid4")

@@ -12,6 +12,9 @@ model and seed (`seed=N`: parameter initialisation and data order), differing on
                      (embed_scale=auto, gla_branch_scale=auto: docs/design.md s13.5)
     hybrid_sqrt_d    the same hybrid with gla_branch_scale=1: the embedding scaled only
     hybrid_unscaled  embed_scale=one gla_branch_scale=1: the hybrid before either
+    hybrid_FORM      the hybrid with one of BRANCH_FORMS below (s13.5's second study)
+    hybrid2          attention_every=2 (two GLA layers, two attention), today's defaults
+    hybrid2_FORM     that layout with one of BRANCH_FORMS
     attention        token_mixer=attention: every layer softmax attention (the baseline)
     laplace_sqrt_d   pure Laplace with embed_scale=sqrt_d_model (not its default)
 
@@ -34,27 +37,26 @@ from pathlib import Path
 
 from bench.common import RESULTS, chosen, write_result
 
-READS_EMBEDDING = ["attention_input=stream_and_embedding", "gla_branch_scale=1"]
-POST_NORM = ["gla_branch=post_norm"]
+# The second study's forms of a hybrid's branch (docs/design.md s13.5), each a configuration,
+# trained here and by bench.hybrid_init on MQAR: the GLA branch post-normed (s (1 + w) RMSNorm(y),
+# s the embedding's size at initialisation, times gla_branch_scale), the attention layers reading
+# the embedding beside the stream (GLA branches unscaled), both, and a learned LayerScale from 0.1
+BRANCH_FORMS = {
+    "post_norm": ["gla_branch=post_norm"],
+    "post_norm_0.25": ["gla_branch=post_norm", "gla_branch_scale=0.25"],
+    "post_norm_0.1": ["gla_branch=post_norm", "gla_branch_scale=0.1"],
+    "reads_embedding": ["attention_input=stream_and_embedding", "gla_branch_scale=1"],
+    "post_norm_reads_embedding": ["gla_branch=post_norm", "attention_input=stream_and_embedding"],
+    "layer_scale": ["gla_branch=layer_scale"],
+}
 RUNS = {
     "laplace": [],
     "hybrid": ["attention_every=4"],
     "hybrid_sqrt_d": ["attention_every=4", "gla_branch_scale=1"],
     "hybrid_unscaled": ["attention_every=4", "embed_scale=one", "gla_branch_scale=1"],
-    "hybrid_post_norm": ["attention_every=4", "gla_branch=post_norm"],
-    "hybrid_post_norm_0.25": ["attention_every=4", *POST_NORM, "gla_branch_scale=0.25"],
-    "hybrid_post_norm_0.1": ["attention_every=4", *POST_NORM, "gla_branch_scale=0.1"],
-    "hybrid_reads_embedding": ["attention_every=4", *READS_EMBEDDING],
-    "hybrid_post_norm_reads_embedding": [
-        "attention_every=4",
-        *POST_NORM,
-        "attention_input=stream_and_embedding",
-    ],
-    "hybrid_layer_scale": ["attention_every=4", "gla_branch=layer_scale"],
+    **{f"hybrid_{form}": ["attention_every=4", *c] for form, c in BRANCH_FORMS.items()},
     "hybrid2": ["attention_every=2"],
-    "hybrid2_post_norm": ["attention_every=2", "gla_branch=post_norm"],
-    "hybrid2_post_norm_0.25": ["attention_every=2", *POST_NORM, "gla_branch_scale=0.25"],
-    "hybrid2_reads_embedding": ["attention_every=2", *READS_EMBEDDING],
+    **{f"hybrid2_{form}": ["attention_every=2", *c] for form, c in BRANCH_FORMS.items()},
     "attention": ["token_mixer=attention"],
     "laplace_sqrt_d": ["embed_scale=sqrt_d_model"],
 }
