@@ -34,10 +34,16 @@ either command reuses the other's.
     laplace             pure Laplace as it is (embed_scale=auto: 1)
     laplace_sqrt_d      pure Laplace with embed_scale=sqrt_d_model
 
-The `*_zero_out` and `*_attn_first` variants are not configuration options: this script applies
-them while the run trains and is scored (the config's `residual_init_scale` and `layer_mixers`
-replaced). The others are configuration overrides (`embed_scale`, `gla_branch_scale`); a variant
-of today's defaults and no patch is bench.retrieval's own run at that learning rate.
+The second study's variants are `{hybrid,hybrid4}_FORM[_lr0.03]`, FORM one of bench.quality's
+BRANCH_FORMS (configuration overrides), and `{hybrid,hybrid4}_FORM_residual_out` for the post-norm
+forms: their GLA layers' W_out initialised by the residual rule, 1 / sqrt(2 L) of the fan-in's
+scale, as the post-norm was first measured, rather than at the fan-in's scale.
+
+The `*_zero_out`, `*_attn_first` and `*_residual_out` variants are not configuration options: this
+script applies them while the run trains and is scored (the config's `residual_init_scale`,
+`layer_mixers` and `mixer_out_init_scale` replaced). The others are configuration overrides
+(`embed_scale`, `gla_branch_scale`, ...); a variant of today's defaults and no patch is
+bench.retrieval's own run at that learning rate.
 
 At initialisation (seed 0, no training), each hybrid variant's `identity_cosine`: over MQAR
 (64, 4) sequences, the cosine between the attention layer's input, normalised as its
@@ -98,6 +104,14 @@ VARIANTS = {
         for form, changes in BRANCH_FORMS.items()
         for suffix, lr in (("", 1e-2), ("_lr0.03", 3e-2))
     },
+    # the post-norm forms with the GLA layers' W_out at the residual rule's 1 / sqrt(2 L), as
+    # the post-norm was first measured (hybrid_branch.json), not at 1 (`mixer_out_init_scale`)
+    **{
+        f"{layout}_{form}_residual_out": (layout, 1e-2, changes, "residual_out")
+        for layout in ("hybrid", "hybrid4")
+        for form, changes in BRANCH_FORMS.items()
+        if "gla_branch=post_norm" in changes
+    },
     "laplace": ("gla", 3e-2, [], None),
     "laplace_sqrt_d": ("gla", 3e-2, ["embed_scale=sqrt_d_model"], None),
 }
@@ -118,6 +132,9 @@ def applied(patch: str | None):
         if patch == "zero_out":
             zero = property(lambda self: 0.0)
             stack.enter_context(mock.patch.object(LaplaceConfig, "residual_init_scale", zero))
+        elif patch == "residual_out":
+            residual = lambda self, mixer: self.residual_init_scale  # noqa: E731
+            stack.enter_context(mock.patch.object(LaplaceConfig, "mixer_out_init_scale", residual))
         elif patch == "attn_first":
             first = property(_attention_first)
             stack.enter_context(mock.patch.object(LaplaceConfig, "layer_mixers", first))

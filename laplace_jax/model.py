@@ -279,7 +279,8 @@ class DecoderLayer(nn.Module):
         # 6. head RMSNorm per tier; 7. gate with SiLU(g), project back, residual
         o = HeadRMSNorm(cfg.n_tiers, cfg.heads_per_tier, cfg.norm_eps, name="head_norm")(o)
         y = o.reshape(B, T, H * dv).astype(dtype) * nn.silu(g)
-        y = Dense(D, ("attn", "embed"), (H * dv) ** -0.5 * out_scale, dtype, name="out")(y)
+        out_init = (H * dv) ** -0.5 * cfg.mixer_out_init_scale(mixer)  # s13.5: 1 under a post-norm
+        y = Dense(D, ("attn", "embed"), out_init, dtype, name="out")(y)
         x = x + MixerBranch(cfg, mixer, name="branch")(y).astype(x.dtype)
 
         # 8. channel mixer: x += W_3 (SiLU(W_1 h2) * (W_2 h2)), W_1 and W_2 fused as W_12

@@ -182,6 +182,14 @@ class LaplaceConfig:
         residual branches start small (docs/design.md s2.2)."""
         return 1.0 / math.sqrt(2 * self.n_layers)
 
+    def mixer_out_init_scale(self, mixer: str) -> float:
+        """A layer's W_out starts at its fan-in's ** -0.5 times this: `residual_init_scale`, but 1
+        under a post-norm (docs/design.md s13.5), where the norm sets the branch's size and a
+        small W_out would only make its direction turn faster under Muon's fixed-size steps."""
+        if self.mixer_branch_form(mixer) == "post_norm":
+            return 1.0
+        return self.residual_init_scale
+
     @property
     def qk_scale(self) -> float:
         """The query scale of the token mixer, d_k ** -0.5 (GLA and attention, every framework)."""

@@ -130,9 +130,10 @@ def test_gla_branch_scale_default_and_a_config_saved_before_it():
 def test_gla_branch_forms_and_attention_input():
     """The branch forms' constant s (docs/design.md s13.5): LayerScale starts at 0.1, the
     post-norm at the scaled embedding's RMS at initialisation (init_std sqrt(D) in a hybrid),
-    both times gla_branch_scale when it is a number; attention layers are never scaled; reading
-    the embedding is for a hybrid only; bad values are refused naming the field; a saved config
-    without the fields predates them and is today's model."""
+    both times gla_branch_scale when it is a number, and W_out starts at its fan-in's scale
+    under the post-norm only; attention layers are never scaled; reading the embedding is for a
+    hybrid only; bad values are refused naming the field; a saved config without the fields
+    predates them and is today's model."""
     hybrid = PRESETS["tiny"].replace(attention_every=2)
     assert hybrid.mixer_branch_form("gla") == "multiplier" and not hybrid.attention_reads_embedding
     scaled = hybrid.replace(gla_branch="layer_scale")
@@ -147,6 +148,10 @@ def test_gla_branch_forms_and_attention_input():
     for cfg in (scaled, normed):
         assert cfg.mixer_branch_form("attention") == "multiplier"
         assert cfg.mixer_branch_multiplier("attention") == 1.0
+        assert cfg.mixer_out_init_scale("attention") == cfg.residual_init_scale
+    # W_out starts at its fan-in's scale under the post-norm only (the norm sets the size)
+    assert normed.mixer_out_init_scale("gla") == 1.0
+    assert scaled.mixer_out_init_scale("gla") == hybrid.mixer_out_init_scale("gla") == 0.5
     assert hybrid.replace(attention_input="stream_and_embedding").attention_reads_embedding
     with pytest.raises(ConfigError, match="gla_branch must be one of"):
         hybrid.replace(gla_branch="postnorm")

@@ -189,6 +189,21 @@ def test_aug_balance_zero_is_a_half_strength_value_skip():
     assert float(jnp.abs(live3 - live0).max()) > 1e-3
 
 
+def test_residual_projections_start_at_the_design_scale():
+    """W_out and W_3 start at std fan_in ** -0.5 / sqrt(2 L) (docs/design.md s2.2), except a GLA
+    layer's W_out under the post-norm, at fan_in ** -0.5 (s13.5: the norm sets that branch's
+    size); measured on the initialised kernels of a 3:1 hybrid with the post-norm."""
+    cfg = PRESETS["tiny"].replace(n_layers=4, attention_every=4, gla_branch="post_norm")
+    residual = 1 / math.sqrt(2 * cfg.n_layers)
+    params = init_params(cfg, jax.random.key(3))
+    for i, mixer in enumerate(cfg.layer_mixers):
+        layer = params[f"layer_{i}"]
+        out = (1.0 if mixer == "gla" else residual) * (cfg.n_heads * cfg.d_v) ** -0.5
+        assert np.std(layer["out"]["kernel"]) == pytest.approx(out, rel=0.05), (i, mixer)
+        w3 = residual * cfg.ffn_dim**-0.5
+        assert np.std(layer["w3"]["kernel"]) == pytest.approx(w3, rel=0.05), (i, mixer)
+
+
 def test_decay_schedule():
     gamma = np.asarray(PRESETS["laplace-3b"].log_decay(), np.float32)
     lam = np.exp(gamma.astype(np.float64))
