@@ -216,6 +216,7 @@ BLOCKS = {
     "hybrid-init": hybrid_init,
     "hybrid4-init": lambda: hybrid_init("hybrid4_init"),
     "hybrid-branch": lambda: hybrid_init("hybrid_branch"),
+    "hybrid-branch-post-norm": lambda: hybrid_init("hybrid_branch_post_norm"),
     "plan-hybrid": plan_hybrid,
     "quality": quality,
     "hybrid-parity": hybrid_parity,
