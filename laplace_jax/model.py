@@ -127,6 +127,11 @@ def trailing_window(seq, seg, width: int):
     return jnp.where(last, window, 0.0)
 
 
+def rms_normalized(x, eps: float):
+    """x / sqrt(mean(x^2) + eps) over the last axis (no scale): RMS 1 per vector."""
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + eps)
+
+
 class HeadRMSNorm(nn.Module):
     """RMS-normalise each head's output; scale by its tier's learned vector gamma_tier."""
 
@@ -138,7 +143,7 @@ class HeadRMSNorm(nn.Module):
     def __call__(self, o):  # o: [B, T, H, dv]
         dv = o.shape[-1]
         gamma = _param(self, "scale", nn.initializers.ones, (self.n_tiers, dv), ("tiers", "head_v"))
-        o = o * jax.lax.rsqrt(jnp.mean(jnp.square(o), -1, keepdims=True) + self.eps)
+        o = rms_normalized(o, self.eps)
         return o * jnp.repeat(gamma, self.heads_per_tier, axis=0)  # tiers of contiguous heads
 
 
@@ -159,7 +164,7 @@ class MixerBranch(nn.Module):
             return y if s == 1.0 else y.astype(f32) * s  # 0.1 in a hybrid's GLA layer
         y = y.astype(f32)
         if form == "post_norm":  # RMS 1 per token, whatever W_out's size
-            y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), -1, keepdims=True) + cfg.norm_eps)
+            y = rms_normalized(y, cfg.norm_eps)
         w = _param(self, "gain", nn.initializers.zeros, (y.shape[-1],), ("norm",))  # [D]
         return y * (s * (1.0 + w))
 
