@@ -17,6 +17,7 @@ serve/vllm_adapter.py). No vLLM: the exporter writes it without one.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from laplace_spec.config import LaplaceConfig
@@ -32,6 +33,20 @@ def vllm_settings(cfg: LaplaceConfig, dtype: str) -> dict:
     if cfg.attention_every:
         settings["block-size"] = PREFIX_BLOCK_SIZE
     return settings
+
+
+def served_block_size(cfg: LaplaceConfig, kv_bytes: int) -> int:
+    """Tokens per KV block and per stored state boundary of `cfg` served with prefix caching on
+    vLLM's CPU backend: PREFIX_BLOCK_SIZE for pure Laplace; for a hybrid, vLLM's raised block,
+    the smallest multiple of PREFIX_BLOCK_SIZE (itself a multiple of the CPU attention kernel's
+    32) whose keys and values in one attention layer (`kv_bytes` each) take at least one layer's
+    fp32 state page, its GLA matrices and W - 1 conv inputs (docs/design.md s13.4): 32 for
+    `small`, 64 for a 3B hybrid in fp32."""
+    if not cfg.attention_every:
+        return PREFIX_BLOCK_SIZE
+    page = (math.prod(cfg.gla_state_shape) + cfg.page_conv_window * cfg.d_model) * 4
+    per_token = 2 * cfg.n_heads * cfg.kv_page_head_size * kv_bytes
+    return PREFIX_BLOCK_SIZE * math.ceil(page / (PREFIX_BLOCK_SIZE * per_token))
 
 
 def write_settings(folder: Path, settings: dict) -> Path:

@@ -62,7 +62,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from laplace_spec.vllm_settings import DTYPES, PREFIX_BLOCK_SIZE, read_settings
+from laplace_spec.vllm_settings import DTYPES, PREFIX_BLOCK_SIZE, read_settings, served_block_size
 from serve.parent_watch import watch_in_forked_children, watch_parent
 from serve.replicas import BIND_ENV, resolve_replicas
 from serve.state_store import offline, settings
@@ -236,25 +236,22 @@ def state_store_config(
     engine_args=(),
     max_num_seqs=None,
     pages_bytes=None,
-) -> dict:
-    """The --kv-transfer-config of `--state-dir` (serve/state_store/), after its checks: a
-    StateDirError names what is wrong (a hybrid, a folder that takes no file)."""
+    max_model_len=None,
+) -> tuple[dict, int]:
+    """The --kv-transfer-config of `--state-dir` (serve/state_store/), after its checks (a
+    StateDirError names what is wrong: a folder that takes no file), and the block size its
+    states are kept at (--prefix-cache-retention-interval)."""
     from serve.configuration_laplace import LaplaceHFConfig
     from serve.state_store.fingerprint import model_fingerprint
 
     spec = LaplaceHFConfig.from_dict(_config(model)).laplace_config
-    if spec.attention_every:
-        raise settings.StateDirError(
-            "--state-dir stores a conversation as its recurrent state, and a hybrid's attention "
-            "layers keep theirs as KV blocks that grow with the history: vLLM 0.32's offloading "
-            "scheduler stores those block by block, not as one state per turn (docs/design.md "
-            "s10.1); serve a hybrid with --enable-prefix-caching"
-        )
     root = settings.prepare_state_dir(state_dir)
     capacity = capacity or settings.default_capacity(root)
-    fp = model_fingerprint(model, serving_dtype(model, dtype), engine_args)
+    served = serving_dtype(model, dtype)
+    fp = model_fingerprint(model, served, engine_args)
+    kind = "hybrid: attention blocks and states" if spec.attention_every else "states"
     print(
-        f"serve.vllm_adapter: conversation states stored under {root}/ (model {fp[:16]}; "
+        f"serve.vllm_adapter: conversations ({kind}) stored under {root}/ (model {fp[:16]}; "
         f"capacity {capacity / 2**30:.2f} GiB, least recently used first out)",
         file=sys.stderr,
         flush=True,
@@ -267,7 +264,11 @@ def state_store_config(
         platform="cpu",
         pages_bytes=pages_bytes,
     )["max_num_seqs"]
-    return settings.kv_transfer_config(root, fp, capacity, spec.page_bytes_per_sequence(), seqs)
+    kv_bytes = 2 if served == "bfloat16" else 4  # keys and values in the served dtype
+    block = served_block_size(spec, kv_bytes)
+    length = max_model_len or _config(model)["max_position_embeddings"]
+    primary = settings.primary_bytes(spec, seqs, length, block, kv_bytes)
+    return settings.kv_transfer_config(root, fp, capacity, primary), block
 
 
 def generate(
@@ -342,7 +343,7 @@ def server_argv(args, platform: str) -> list[str]:
         argv += ["--max-model-len", str(args.max_model_len)]
     if args.state_store is not None:  # serve/state_store/settings.py
         # every block boundary's state is offered to the store, a reply's too
-        argv += ["--prefix-cache-retention-interval", str(PREFIX_BLOCK_SIZE)]
+        argv += ["--prefix-cache-retention-interval", str(args.state_block)]
         argv += ["--kv-transfer-config", json.dumps(args.state_store)]
         argv.append("--enable-prompt-tokens-details")
     if args.data_parallel_size > 1:  # one API server (this process), N engine processes
@@ -424,9 +425,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--state-dir",
         default=None,
-        help="keep each conversation's recurrent state on disk under DIR/<model fingerprint>/ "
-        "(turns on --enable-prefix-caching): a later turn resumes from it after a restart or on "
-        "another replica sharing DIR (docs/serving.md)",
+        help="keep each conversation's recurrent state (a hybrid's: and its attention blocks) "
+        "on disk under DIR/<model fingerprint>/ (turns on --enable-prefix-caching): a later "
+        "turn resumes from it after a restart or on another replica sharing DIR "
+        "(docs/serving.md)",
     )
     ap.add_argument(
         "--state-dir-bytes",
@@ -476,7 +478,7 @@ def settle(args, platform: str) -> argparse.Namespace:
             "--data-parallel-size serves replicas in server mode only (vLLM 0.32 runs offline "
             "data parallel for MoE models only): drop --prompt/--prompt-ids"
         )
-    args.state_store = None
+    args.state_store, args.state_block = None, None
     if args.state_dir is not None and platform != "cpu":
         raise ValueError(
             f"--state-dir runs on vLLM's CPU backend, whose state pages are host memory that the "
@@ -485,7 +487,7 @@ def settle(args, platform: str) -> argparse.Namespace:
         )
     if args.state_dir is not None:
         capacity = args.state_dir_bytes and settings.parse_bytes(args.state_dir_bytes)
-        args.state_store = state_store_config(
+        args.state_store, args.state_block = state_store_config(
             args.model,
             args.state_dir,
             capacity,
@@ -493,6 +495,7 @@ def settle(args, platform: str) -> argparse.Namespace:
             args.vllm_arg,
             args.max_num_seqs,
             args.pages_bytes,
+            args.max_model_len,
         )
     elif args.state_dir_bytes is not None:
         raise ValueError("--state-dir-bytes sizes the store of --state-dir: give --state-dir too")
@@ -527,7 +530,7 @@ def generate_offline(args) -> int:
     store_args = {}
     if args.state_store is not None:  # serve/state_store/offline.py: the engine in this process
         offline.in_process()
-        store_args = offline.engine_args(args.state_store, PREFIX_BLOCK_SIZE)
+        store_args = offline.engine_args(args.state_store, args.state_block)
     llm = make_llm(
         args.model,
         max_model_len=args.max_model_len,

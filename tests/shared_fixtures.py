@@ -102,8 +102,13 @@ def start_early(items, tmp_path_factory) -> None:
         EARLY["readme_tour"] = start_tour(tmp_path_factory)
     if "compiled_varlen_run" in used and "tiny_export" not in EARLY:
         EARLY["tiny_export"] = export_tiny(tmp_path_factory.mktemp("tiny_export"), seed=1)
-    if "compiled_hybrid_run" in used:
+    if used & {"compiled_hybrid_run", "hybrid_store_server", "hybrid_replica_server"}:
         EARLY["tiny_hybrid_export"] = _export_tiny_hybrid(tmp_path_factory)
+    if used & {"hybrid_store_server", "hybrid_replica_server"}:
+        EARLY["hybrid_states"] = states = tmp_path_factory.mktemp("hybrid_states")
+        folder = EARLY["tiny_hybrid_export"][2]
+        EARLY["hybrid_store_server"] = _start_hybrid_server(folder, states, replicas=1)
+        EARLY["hybrid_replica_server"] = _start_hybrid_server(folder, states, replicas=2)
     jobs = {}
     for name in QUEUE_ORDER:  # the order of the tests that wait for them
         if name in used:
@@ -485,6 +490,46 @@ def _start_spaces_server(folder: Path, state_dir: Path, replicas: int) -> Job:
     cmd, env = small_pages(cmd, {**START_ENV, **VLLM_ENV})
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     return Job(start_server(cmd, log_path, env, REPO), None, log_path, port)
+
+
+def _start_hybrid_server(folder: Path, state_dir: Path, replicas: int) -> Job:
+    """The adapter's server of the tiny hybrid, its conversations kept under `state_dir`:
+    `replicas` engines of one core each, max-model-len 512, 4 sequences each, 16 MiB of pages
+    (tests/test_state_store_hybrid.py)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "serve.vllm_adapter", "--model", str(folder), "--port", str(port)]
+    cmd += ["--max-model-len", str(SERVER_MAX_LEN), "--max-num-seqs", "4"]
+    cmd += ["--served-model-name", "hybrid", "--state-dir", str(state_dir)]
+    cmd += ["--data-parallel-size", str(replicas)]
+    if replicas > 1:
+        cmd += ["--cpu-cores-per-replica", "1"]
+    log_path = folder.parent / f"hybrid_server_{replicas}.log"
+    cmd, env = small_pages(cmd, {**START_ENV, **VLLM_ENV})
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    return Job(start_server(cmd, log_path, env, REPO), None, log_path, port)
+
+
+@pytest.fixture(scope="session")
+def hybrid_state_dir(tiny_hybrid_export, tmp_path_factory) -> Path:
+    """The --state-dir of the two hybrid servers."""
+    if "hybrid_states" not in EARLY:
+        EARLY["hybrid_states"] = tmp_path_factory.mktemp("hybrid_states")
+    return EARLY["hybrid_states"]
+
+
+@pytest.fixture(scope="session")
+def hybrid_store_server(tiny_hybrid_export, hybrid_state_dir):
+    """(base URL, Job) of the one-engine hybrid server, started early; the test that uses it
+    kills it with SIGKILL."""
+    start = partial(_start_hybrid_server, tiny_hybrid_export[2], hybrid_state_dir, replicas=1)
+    yield from _served("hybrid_store_server", start)
+
+
+@pytest.fixture(scope="session")
+def hybrid_replica_server(tiny_hybrid_export, hybrid_state_dir):
+    """(base URL, Job) of the 2-replica hybrid server on the same folder, started early."""
+    start = partial(_start_hybrid_server, tiny_hybrid_export[2], hybrid_state_dir, replicas=2)
+    yield from _served("hybrid_replica_server", start)
 
 
 @pytest.fixture(scope="session")

@@ -201,10 +201,10 @@ FP, KEY = bytes(range(32)), bytes(range(100, 136))
 
 def test_a_state_file_round_trips_and_every_damage_is_named(tmp_path):
     payload = np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8)
-    path = files.state_path(tmp_path, KEY)
-    assert files.write_state(path, FP, KEY, payload) == path.stat().st_size
+    path, needs = files.state_path(tmp_path, KEY), bytes(range(72))  # two needed blocks
+    assert files.write_state(path, FP, KEY, payload, needs) == path.stat().st_size
     out = np.zeros_like(payload)
-    files.read_state(path, FP, KEY, out)
+    assert files.read_state(path, FP, KEY, out) == needs == files.read_needs(path, FP)
     np.testing.assert_array_equal(out, payload)
     good = path.read_bytes()
 
@@ -214,17 +214,21 @@ def test_a_state_file_round_trips_and_every_damage_is_named(tmp_path):
             files.read_state(path, fp, key, np.zeros(size, np.uint8))
         return str(e.value)
 
-    header = 60 + len(KEY)
+    header = 64 + len(KEY) + len(needs)
     assert "bad magic" in damaged(b"x" + good[1:])
     assert "format version 7" in damaged(good[:8] + (7).to_bytes(4, "little") + good[12:])
     assert "another model" in damaged(good, fp=bytes(32))
     assert "its key" in damaged(good, key=bytes(36))
     assert "the engine's state is 4999" in damaged(good, size=4999)
     assert "truncated header" in damaged(good[:30])
+    assert "truncated list of needed blocks" in damaged(good[: header - 8])
     assert "truncated payload" in damaged(good[:-1])
     assert "bytes after" in damaged(good + b"\0")
     flipped = bytearray(good)
     flipped[header + 17] ^= 1
+    assert "checksum" in damaged(bytes(flipped))
+    flipped = bytearray(good)
+    flipped[header - 5] ^= 1  # a needed block's name: the checksum covers the list too
     assert "checksum" in damaged(bytes(flipped))
 
 
@@ -316,100 +320,59 @@ def tiny_tmpfs(tmp_path):
     subprocess.run(["umount", str(mnt)], check=True)
 
 
-def _tier(root: Path, state_bytes: int, capacity: int, chunks: int = 4):
-    """The store's real tier in this process, on the real spec of a one-group engine whose
-    state is `state_bytes` a sequence (what vLLM's connector gives it), over `chunks` chunks
-    of host memory."""
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    from serve.state_store.spec import LaplaceStateSpec
-    from serve.state_store.tier import StateFileTier
-
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(BLOCK, ("model.layers.0.mixer",), 0),),
-        worker_kv_bytes_per_block=state_bytes,
-        enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": chunks * 4096, "offload_prompt_only": False},
-        engine_id="test",
-        model=OffloadingModelConfig("tiny", "float32"),
-        cache=OffloadingCacheConfig(BLOCK, 1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
-    )
-    host = np.zeros((chunks, 4096), np.int8)
-    tier = StateFileTier(
-        LaplaceStateSpec(config), memoryview(host), "StateFileTier", str(root), "f" * 64, capacity
-    )
-    return tier, host
-
-
-def _finish(tier, req: str, key: bytes, chunk: int, end: int):
+def _finish(tier, req: str, block_hash: bytes, chunk: int, end: int):
     """A request reached the state in `chunk` at token `end`, then finished."""
+    from tier_helpers import key, store
     from vllm.v1.kv_offload.base import ReqContext
-    from vllm.v1.kv_offload.tiering.base import TransferJob
 
     ctx = ReqContext(req)
-    ctx.set_offload_key_position(key, end)
-    tier.submit_store(TransferJob(len(req), [key], np.array([chunk]), False, ctx))
+    store(tier, ctx, [(key(block_hash, 0), end, chunk)], len(req))
     tier.on_request_finished(ctx)
     tier.drain_jobs()
-    assert all(r.success for r in tier.get_finished_jobs())  # the store job: copied, done
 
 
-def test_the_tier_keeps_a_requests_last_state_and_its_lru_capacity(tmp_path):
-    """Of a request's states only its last is written; a load fills the chunk and is a use;
-    past the capacity the least recently used file goes."""
+def test_the_tier_keeps_a_requests_prompt_and_last_states_and_its_lru_capacity(tmp_path):
+    """Of a request's states its prompt's last (its known keys end there when vLLM first asks)
+    and its newest are written; a load fills the chunk and is a use; past the capacity the least
+    recently used bundle goes."""
+    from tier_helpers import key, load, make_tier, store
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
-    from vllm.v1.kv_offload.tiering.base import TransferJob
 
-    tier, host = _tier(tmp_path, 3000, capacity=3 * 3200)
-    keys = [bytes([i]) * 36 for i in range(5)]
+    tier, host = make_tier(tmp_path, 3000, capacity=3 * 3200)
+    hashes = [bytes([i]) * 32 for i in range(6)]
     ctx = ReqContext("a")
-    for i, (key, end) in enumerate(zip(keys[:3], (64, 96, 32), strict=True)):  # 96: the last
+    ctx.set_offload_key_position(key(hashes[0], 0), 64)  # the prompt: two blocks
+    for i, (h, end) in enumerate(zip(hashes[:4], (64, 32, 96, 128), strict=True)):
         host[i, :3000] = i + 1
-        ctx.set_offload_key_position(key, end)
-        tier.submit_store(TransferJob(i, [key], np.array([i]), False, ctx))
-    assert all(r.success for r in tier.get_finished_jobs())
+        store(tier, ctx, [(key(h, 0), end, i)], i)  # 32: offered late, older than the rest
     tier.on_request_finished(ctx)
     tier.drain_jobs()
-    assert [tier.lookup(k, ctx) for k in keys[:3]] == [
-        LookupResult.MISS,
-        LookupResult.HIT,
-        LookupResult.MISS,
-    ]
+    hits = [tier.lookup(key(h, 0), ctx) == LookupResult.HIT for h in hashes[:4]]
+    assert hits == [True, False, False, True]  # the prompt's (64) and the newest (128)
     host[:] = 0
-    tier.submit_load(TransferJob(9, [keys[1]], np.array([3]), True, ctx))
-    tier.drain_jobs()
-    assert [r.success for r in tier.get_finished_jobs()] == [True]
-    assert (host[3, :3000] == 2).all() and (host[3, 3000:] == 0).all()
-    # 3 states fit: a 4th written pushes out the least recently used
-    for key, chunk in ((keys[2], 0), (keys[3], 1)):
-        time.sleep(0.02)
-        _finish(tier, key.hex(), key, chunk, 32)
+    assert load(tier, [key(hashes[3], 0)], [3]).success
+    assert (host[3, :3000] == 4).all() and (host[3, 3000:] == 0).all()
+    # 3 bundles fit: a 4th written pushes out the least recently used
     time.sleep(0.02)
-    tier.submit_load(TransferJob(10, [keys[2]], np.array([3]), True, ctx))  # keys[2]: a use
-    tier.drain_jobs()
-    _finish(tier, "e", keys[4], 2, 32)
-    hits = [tier.lookup(k, ctx) == LookupResult.HIT for k in keys]
-    assert hits == [False, False, True, True, True]  # keys[1], the oldest use, went
+    _finish(tier, "d", hashes[4], 1, 32)
+    time.sleep(0.02)
+    assert load(tier, [key(hashes[0], 0)], [3]).success  # hashes[0]: a use
+    _finish(tier, "e", hashes[5], 2, 32)
+    hits = [tier.lookup(key(h, 0), ctx) == LookupResult.HIT for h in hashes]
+    assert hits == [True, False, False, False, True, True]  # hashes[3], the oldest use, went
     tier.shutdown()
 
 
 def test_a_full_disk_stops_storing_with_one_warning_and_loads_go_on(tiny_tmpfs, caplog):
+    from tier_helpers import key, load, make_tier
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
-    from vllm.v1.kv_offload.tiering.base import TransferJob
 
-    tier, host = _tier(tiny_tmpfs, 4000, capacity=1 << 30)
+    tier, host = make_tier(tiny_tmpfs, 4000, capacity=1 << 30)
     host[:, :4000] = 5
-    keys = [i.to_bytes(36, "big") for i in range(200)]
+    keys = [i.to_bytes(32, "big") for i in range(200)]
     caplog.set_level("WARNING", logger="vllm.laplace.state_store")
-    for i, key in enumerate(keys):  # 256 KiB: full after a few dozen states
-        _finish(tier, f"r{i}", key, i % 4, 32)
+    for i, h in enumerate(keys):  # 256 KiB: full after a few dozen states
+        _finish(tier, f"r{i}", h, i % 4, 32)
     warned = [
         r.getMessage()
         for r in caplog.records
@@ -417,19 +380,15 @@ def test_a_full_disk_stops_storing_with_one_warning_and_loads_go_on(tiny_tmpfs, 
     ]  # (its start-up line is INFO, captured too once vLLM has set its loggers to INFO)
     assert len(warned) == 1 and "storing stopped" in warned[0], warned
     assert "No space left" in warned[0]
-    stored = [k for k in keys if tier.lookup(k, ReqContext("x")) == LookupResult.HIT]
+    stored = [k for k in keys if tier.lookup(key(k, 0), ReqContext("x")) == LookupResult.HIT]
     assert 0 < len(stored) < len(keys)
     assert not list(tiny_tmpfs.rglob("*.tmp"))
     host[:] = 0
-    tier.submit_load(TransferJob(1, [stored[-1]], np.array([0]), True, ReqContext("x")))
-    tier.drain_jobs()
-    assert [r.success for r in tier.get_finished_jobs()] == [True] and (host[0, :4000] == 5).all()
+    assert load(tier, [key(stored[-1], 0)], [0]).success and (host[0, :4000] == 5).all()
     tier.shutdown()
 
 
-def test_a_state_dir_it_cannot_use_is_an_error_at_start_up(
-    tiny_export, tiny_hybrid_export, tmp_path, capsys
-):
+def test_a_state_dir_it_cannot_use_is_an_error_at_start_up(tiny_export, tmp_path, capsys):
     from serve import vllm_adapter
 
     def refused(*args) -> str:
@@ -453,11 +412,6 @@ def test_a_state_dir_it_cannot_use_is_an_error_at_start_up(
     assert "cannot read '12X'" in refused(
         "--state-dir", str(tmp_path / "s"), "--state-dir-bytes", "12X"
     )
-    with pytest.raises(SystemExit) as stop:
-        vllm_adapter.main(
-            ["--model", str(tiny_hybrid_export[2]), "--state-dir", str(tmp_path / "h")]
-        )
-    assert stop.value.code == 2 and "a hybrid's attention layers" in capsys.readouterr().err
     assert settings_parse_ok()
 
 

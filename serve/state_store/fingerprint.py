@@ -1,7 +1,8 @@
 """What makes a stored state valid for an engine: the model, and the layout of its state pages.
 
 A state is the product of every weight and of the architecture, and it is laid out by the engine
-(dtypes, the conv window's orientation, which layers, how many bytes). The store keeps its files
+(dtypes, the conv window's orientation, which layers in which group, which groups hold attention
+blocks, how many bytes). The store keeps its files
 under `--state-dir/<store fingerprint>/` and writes the fingerprint into each file's header, so a
 store written by one model (or one layout) is never read by another:
 
@@ -42,14 +43,32 @@ def model_fingerprint(model_dir, dtype: str, engine_args=()) -> str:
     return h.hexdigest()
 
 
+ATTENTION_LAYER_SUFFIX = ".attn"  # vLLM's `Attention` in a hybrid's attention layer (vllm_model)
+
+
+def attention_groups(offloading_config) -> list[int]:
+    """The KV-cache groups that hold attention blocks (a hybrid's): every layer in them is a
+    vLLM `Attention`; the other groups hold state pages."""
+    return [
+        g.group_id
+        for g in offloading_config.groups
+        if all(name.endswith(ATTENTION_LAYER_SUFFIX) for name in g.layer_names)
+    ]
+
+
 def state_layout(offloading_config, conv_layout: str) -> dict:
-    """The engine's state pages as a record: bytes per sequence (which the state pages' dtypes
-    change), the layers of each group and their tokens per block, the model dtype, the conv
-    window's orientation (the one change of layout that keeps the bytes)."""
+    """The engine's pages as a record: bytes per block (which the state pages' dtypes change),
+    each group's kind, layers and tokens per block, the model dtype, the conv window's
+    orientation (the one change of layout that keeps the bytes)."""
+    attention = attention_groups(offloading_config)
     return {
         "bytes_per_block": offloading_config.worker_kv_bytes_per_block,
         "groups": [
-            {"tokens_per_block": g.tokens_per_block, "layers": list(g.layer_names)}
+            {
+                "kind": "attention" if g.group_id in attention else "state",
+                "tokens_per_block": g.tokens_per_block,
+                "layers": list(g.layer_names),
+            }
             for g in offloading_config.groups
         ],
         "tokens_per_hash": offloading_config.cache.tokens_per_hash,

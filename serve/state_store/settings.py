@@ -3,19 +3,20 @@
 vLLM engine                                  why
 --enable-prefix-caching, align mode, 32-token the states at block boundaries are what a
 blocks                                        later prompt starts from (docs/design.md s10)
---prefix-cache-retention-interval 32          (the block size: the adapter's PREFIX_BLOCK_SIZE)
-                                              vLLM offers the state of every block boundary,
-                                              a reply's too (its default, 0, offers only the
-                                              prompt's last: a reply would never be stored)
+--prefix-cache-retention-interval B           the block size (`served_block_size`: 32 tokens,
+                                              a hybrid's as vLLM raises it): vLLM offers the
+                                              state of every block boundary, a reply's too (its
+                                              default, 0, offers only the prompt's last: a
+                                              reply would never be stored)
 --kv-transfer-config: vLLM's OffloadingConnector with `spec.LaplaceStateSpec` (its host-
-memory tier: a state per running sequence, at least MIN_PRIMARY_STATES) over
-`tier.StateFileTier` (`--state-dir`), prompt and reply alike (`offload_prompt_only` false); a
-failed load is recomputed
+memory tier, `primary_bytes`) over `tier.StateFileTier` (`--state-dir`), prompt and reply alike
+(`offload_prompt_only` false); a failed load is recomputed
 --enable-prompt-tokens-details (server)       usage.prompt_tokens_details.cached_tokens
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from pathlib import Path
@@ -63,15 +64,26 @@ def default_capacity(root: Path) -> int:
     return min(DEFAULT_CAPACITY, shutil.disk_usage(root).free // 2)
 
 
-def kv_transfer_config(
-    root: Path, model_fp: str, capacity: int, state_bytes: int, max_num_seqs: int
-) -> dict:
-    """vLLM's --kv-transfer-config for the store (state_bytes: one sequence's state pages).
+def primary_bytes(cfg, max_num_seqs: int, max_model_len: int, block: int, kv_bytes: int) -> int:
+    """The host-memory tier (in /dev/shm) between the engine and the files, for `cfg` (a
+    LaplaceConfig) served with `block`-token blocks and keys and values of `kv_bytes`.
 
-    The host-memory tier (in /dev/shm) holds max(MIN_PRIMARY_STATES, max_num_seqs) states: every
-    running sequence's newest state has a slot on its way to disk (a state offered to a full
-    tier is not stored: the request's file then holds an earlier boundary)."""
-    primary = max(MIN_PRIMARY_STATES, max_num_seqs) * (state_bytes + 2 * 4096)  # + alignment
+    Pure Laplace: max(MIN_PRIMARY_STATES, max_num_seqs) states, one per running sequence on its
+    way to disk (a state offered to a full tier is not stored: the request's bundle then holds
+    an earlier boundary). A hybrid (every chunk one layer's block, its state pages padded to
+    it): one boundary of every group per running sequence, and the attention blocks of one
+    max_model_len history, the most one promotion carries back from the files."""
+    pad = 2 * 4096  # each chunk's alignment
+    seqs = max(MIN_PRIMARY_STATES, max_num_seqs)
+    if not cfg.attention_every:
+        return seqs * (cfg.page_bytes_per_sequence() + pad)
+    chunk = block * 2 * cfg.n_heads * cfg.kv_page_head_size * kv_bytes + pad
+    history = cfg.n_attention_layers * math.ceil(max_model_len / block) * chunk
+    return history + seqs * (cfg.n_layers + cfg.n_attention_layers) * chunk
+
+
+def kv_transfer_config(root: Path, model_fp: str, capacity: int, primary: int) -> dict:
+    """vLLM's --kv-transfer-config for the store (primary: `primary_bytes`)."""
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
