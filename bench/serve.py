@@ -58,7 +58,8 @@ This file is the run, in order; the parts are `bench/serving/`:
     hybrid.py      `--hybrid`: the hybrids beside Laplace and Llama (bytes per sequence, the
                    shared budget, 2,048-token prompts)
     agent_resume.py `--agent-resume`: a conversation resumed after a restart from the state
-                   store (`--state-dir`) against a cold re-prefill; bytes on disk; replicas
+                   store (`--state-dir`) against a cold re-prefill, pure Laplace and the 3:1
+                   hybrid; bytes on disk; a shared system prompt's blocks; replicas
     plot.py        the PNG beside the result
 The result is written by `bench.common.write_result` (the machine and library versions with it).
 
@@ -270,24 +271,46 @@ def _tokens_label(n: int) -> str:
 
 
 def agent_resume_main(args, sz) -> int:
-    """`--agent-resume`: the state store's rows -> bench/results/agent_resume.json (or --out)."""
+    """`--agent-resume`: the state store's rows, pure Laplace and the 3:1 hybrid ->
+    bench/results/agent_resume.json (or --out)."""
     t_start = time.perf_counter()
     cfg = get_config(PRESET)
+    hybrid = cfg.replace(attention_every=4)
     tmp = Path(tempfile.mkdtemp(prefix="bench_agent_resume_"))
-    max_len = max(sz.resume_histories) + 2 * sz.resume_reply + sz.resume_message + 64
-    lap_dir = export_laplace(cfg, tmp / "laplace", max_len)
-    results = run_agent_resume(cfg, sz, lap_dir, max_len, llama_kv_bytes_per_token(cfg))
+    max_len = max(max(sz.resume_histories), sz.shared_prompt) + 2 * sz.resume_reply
+    max_len += sz.resume_message + 64
+    results = run_agent_resume(
+        cfg,
+        sz,
+        export_laplace(cfg, tmp / "laplace", max_len),
+        max_len,
+        llama_kv_bytes_per_token(cfg),
+    )
+    results["hybrid4"] = run_agent_resume(
+        hybrid,
+        sz,
+        export_laplace(hybrid, tmp / "hybrid4", max_len),
+        max_len,
+        llama_kv_bytes_per_token(cfg),
+        replica=False,
+    )
     shutil.rmtree(tmp, ignore_errors=True)
     headline: dict = {}
-    for row in results["rows"]:
-        k = _tokens_label(row["history"])
-        headline[f"ttft_restart_cold_over_store_{k}"] = row["cold_over_store"]["median"]
-        headline[f"store_bytes_per_conversation_{k}_laplace"] = row["store_bytes"]
-        headline[f"store_bytes_per_conversation_{k}_llama"] = row["llama_kv_bytes"]
-    last = results["rows"][-1]
-    headline[f"cached_tokens_after_restart_{_tokens_label(last['history'])}"] = min(
-        last["cached_tokens"]
-    )
+    for suffix, rows in (("", results["rows"]), ("_hybrid4", results["hybrid4"]["rows"])):
+        for row in rows:
+            k = _tokens_label(row["history"])
+            headline[f"ttft_restart_cold_over_store_{k}{suffix}"] = row["cold_over_store"]["median"]
+            headline[f"store_bytes_per_conversation_{k}{suffix or '_laplace'}"] = row["store_bytes"]
+            if suffix:
+                headline[f"store_bytes_formula_{k}{suffix}"] = row["formula_bytes"]
+            else:
+                headline[f"store_bytes_per_conversation_{k}_llama"] = row["llama_kv_bytes"]
+        last = rows[-1]
+        headline[f"cached_tokens_after_restart_{_tokens_label(last['history'])}{suffix}"] = min(
+            last["cached_tokens"]
+        )
+    shared = results["hybrid4"]["shared_prompt"]
+    headline[f"store_bytes_shared_prompt_{shared['conversations']}_hybrid4"] = shared["store_bytes"]
     headline["replica_handover_hit"] = results["replica"]["hit"]
     results.update(quick=args.quick, sizes=dataclasses.asdict(sz), preset=PRESET)
     results["state_bytes_per_sequence"] = cfg.page_bytes_per_sequence()

@@ -21,6 +21,13 @@ vLLM's per-request `max_offload_tokens` 0); Llama's: its fp32 KV bytes for the s
 computed (the store keeps at most two states per finished request, which an attention model
 does not have). The replica row: a 2-replica server, turn 1 on replica 0, turn 2 on replica 1
 (vLLM's `X-data-parallel-rank` header).
+
+The same rows for the 3:1 hybrid (`small` with attention_every=4), whose store also keeps its
+attention layer's blocks, once each; beside its bytes on disk, `formula_bytes` (docs/design.md
+s10.1: a file per block of every attention group, a bundle of every state group's page per
+kept boundary) from the blocks and bundles the turns leave; and `shared_prompt`: `shared_n`
+conversations that open with the same `shared_prompt`-token system prompt, one turn each, on one
+server: the files on disk, the prompt's blocks among them once.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-from serve.vllm_adapter import PREFIX_BLOCK_SIZE as BLOCK
+from laplace_spec.vllm_settings import served_block_size
+from serve.state_store import files
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,17 +118,51 @@ class _Server:
 
 
 def _store_files(root: Path) -> dict[Path, int]:
-    return {p: p.stat().st_size for p in root.rglob("*.state")}
+    """Every file of the store (bundles and attention blocks): its bytes."""
+    found = [*root.rglob(f"*{files.SUFFIX}"), *root.rglob(f"*{files.BLOCK_SUFFIX}")]
+    return {p: p.stat().st_size for p in found}
+
+
+def _bundles(paths) -> set[Path]:
+    return {p for p in paths if p.suffix == files.SUFFIX}
 
 
 def _wait_for_files(root: Path, before: dict, n: int, timeout: float = 60) -> None:
-    """Until `n` files were written since `before` (the writer thread runs after the reply)."""
+    """Until `n` bundles were written since `before` (the writer thread runs after the reply;
+    a bundle is written after the blocks it needs)."""
     deadline = time.monotonic() + timeout
-    while len(set(_store_files(root)) - set(before)) < n and time.monotonic() < deadline:
+    while len(_bundles(set(_store_files(root)) - set(before))) < n:
+        if time.monotonic() > deadline:
+            break
         time.sleep(0.1)
 
 
-def run_agent_resume(cfg, sz, model_dir: Path, max_len: int, llama_kv_per_token: int) -> dict:
+def kept_ends(prompt: int, total: int, block: int) -> set[int]:
+    """The boundaries a finished request's bundles are at (serve/state_store/tier.py): its
+    newest, the last block boundary before its last token (sampled, never computed through),
+    and its prompt's last full block, or the newest where that is sooner."""
+    newest = (total - 1) // block * block
+    return {min(prompt // block * block, newest), newest} - {0}
+
+
+def formula_bytes(cfg, block: int, kv_bytes: int, ends: list[int], n_blocks: int) -> int:
+    """The store's bytes (docs/design.md s10.1) for `n_blocks` attention blocks of each
+    attention layer and a bundle at each of `ends` (tokens): a file is a 64-byte header, its
+    key (a 32-byte block hash; a block's, + 4 for its group), the keys of the blocks a bundle
+    needs, and its pages. Every chunk is one layer's block, `block` tokens of keys and values
+    (state pages padded to it in a hybrid; pure Laplace: one state of every layer)."""
+    if not cfg.attention_every:
+        return len(ends) * (64 + 32 + cfg.page_bytes_per_sequence())
+    page = block * 2 * cfg.n_heads * cfg.kv_page_head_size * kv_bytes
+    blocks = cfg.n_attention_layers * n_blocks * (64 + 36 + page)
+    needs = [cfg.n_attention_layers * (end // block) * 36 for end in ends]
+    return blocks + sum(64 + 32 + n + cfg.n_layers * page for n in needs)
+
+
+def run_agent_resume(
+    cfg, sz, model_dir: Path, max_len: int, llama_kv_per_token: int, replica: bool = True
+) -> dict:
+    BLOCK = served_block_size(cfg, 4)  # fp32 keys and values: the export's dtype on the CPU
     rng = np.random.default_rng(0)
     rows = []
     with tempfile.TemporaryDirectory(prefix="agent_resume_") as tmp:
@@ -132,7 +174,7 @@ def run_agent_resume(cfg, sz, model_dir: Path, max_len: int, llama_kv_per_token:
             before = _store_files(root) if root.exists() else {}
             server = _Server(model_dir, max_len, root, log)
             _, reply, _ = server.ask(prompt1, sz.resume_reply)
-            turn1 = len({(history - 1) // BLOCK, (history + len(reply) - 1) // BLOCK})
+            turn1 = len(kept_ends(history, history + len(reply), BLOCK))
             _wait_for_files(root, before, turn1)  # the prompt's state and the newest
             server.stop()
             turn1_files = _store_files(root)
@@ -153,6 +195,11 @@ def run_agent_resume(cfg, sz, model_dir: Path, max_len: int, llama_kv_per_token:
                 cached.append(hit)
                 equal.append(out_store == out_cold)
             written = {p: n for p, n in turn1_files.items() if p not in before} | turn2
+            ends = sorted(
+                kept_ends(len(prompt1), len(prompt1) + len(reply), BLOCK)
+                | kept_ends(len(prompt2), len(prompt2) + 1, BLOCK)
+            )
+            n_blocks = len(prompt2) // BLOCK
             ratios = [c / s for c, s in zip(cold_s, store_s, strict=True)]
             rows.append(
                 {
@@ -174,11 +221,47 @@ def run_agent_resume(cfg, sz, model_dir: Path, max_len: int, llama_kv_per_token:
                     # one round wrote them; each round's are removed before the next restart)
                     "store_files": len(written),
                     "store_bytes": sum(written.values()),
+                    "formula_bytes": formula_bytes(cfg, BLOCK, 4, ends, n_blocks),
                     "llama_kv_bytes": llama_kv_per_token * (len(prompt2) + 1),
                 }
             )
-        replica = _replica_handover(cfg, sz, model_dir, max_len, root, log, rng)
-    return {"rows": rows, "replica": replica, "block": BLOCK}
+        out = {"rows": rows, "block": BLOCK}
+        if replica:
+            out["replica"] = _replica_handover(cfg, sz, model_dir, max_len, root, log, rng)
+        if cfg.attention_every:
+            out["shared_prompt"] = _shared_prompt(cfg, sz, model_dir, max_len, Path(tmp), rng)
+    return out
+
+
+def _shared_prompt(cfg, sz, model_dir, max_len, tmp: Path, rng) -> dict:
+    """`shared_n` conversations opening with one `shared_prompt`-token system prompt, one turn
+    each, on one server with a folder of its own: the bytes on disk, and the blocks among them
+    that the shared prompt's full blocks take (once)."""
+    BLOCK = served_block_size(cfg, 4)
+    root, log = tmp / "shared_states", tmp / "shared.log"
+    system = rng.integers(3, cfg.vocab_size, sz.shared_prompt).tolist()
+    server = _Server(model_dir, max_len, root, log)
+    try:
+        for _ in range(sz.shared_n):
+            message = rng.integers(3, cfg.vocab_size, sz.resume_message).tolist()
+            before = _store_files(root) if root.exists() else {}
+            _, reply, _ = server.ask(system + message, sz.resume_reply)
+            total = len(system) + len(message) + len(reply)
+            _wait_for_files(root, before, len(kept_ends(total - len(reply), total, BLOCK)))
+    finally:
+        server.stop()
+    on_disk = _store_files(root)
+    blocks = len(on_disk) - len(_bundles(on_disk))
+    shared_blocks = len(system) // BLOCK
+    own = (len(system) + sz.resume_message + sz.resume_reply - 1) // BLOCK - shared_blocks
+    return {
+        "conversations": sz.shared_n,
+        "shared_prompt": len(system),
+        "store_bytes": sum(on_disk.values()),
+        "attention_blocks": blocks,
+        "attention_blocks_if_shared_once": shared_blocks + sz.shared_n * own,
+        "attention_blocks_if_copied": sz.shared_n * (shared_blocks + own),
+    }
 
 
 def _replica_handover(cfg, sz, model_dir, max_len, root, log, rng) -> dict:
@@ -194,5 +277,5 @@ def _replica_handover(cfg, sz, model_dir, max_len, root, log, rng) -> dict:
         _, _, cached = server.ask(prompt2, 1, rank=1)
     finally:
         server.stop()
-    want = (len(prompt1) + len(reply) - 1) // BLOCK * BLOCK
+    want = (len(prompt1) + len(reply) - 1) // 32 * 32  # pure Laplace's block
     return {"history": history, "cached_tokens": cached, "expected": want, "hit": cached == want}

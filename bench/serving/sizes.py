@@ -69,6 +69,8 @@ class Sizes:
     resume_message: int = 64  # --agent-resume: the new message of the turn after the restart
     resume_reply: int = 32  # --agent-resume: each turn's greedy reply
     resume_rounds: int = 3  # --agent-resume: restarts per history (store and cold each time)
+    shared_n: int = 16  # --agent-resume, the hybrid: conversations sharing one system prompt
+    shared_prompt: int = 4096  # --agent-resume, the hybrid: that prompt's tokens
 
 
 FULL = Sizes()
@@ -102,6 +104,8 @@ QUICK = dataclasses.replace(
     hybrid_budget_rounds=1,
     resume_histories=(512, 2048),
     resume_rounds=2,
+    shared_n=4,
+    shared_prompt=512,
 )
 
 
