@@ -37,13 +37,15 @@ either command reuses the other's.
 The second study's variants are `{hybrid,hybrid4}_FORM[_lr0.03]`, FORM one of bench.quality's
 BRANCH_FORMS (configuration overrides), and `{hybrid,hybrid4}_FORM_residual_out` for the post-norm
 forms: their GLA layers' W_out initialised by the residual rule, 1 / sqrt(2 L) of the fan-in's
-scale, as the post-norm was first measured, rather than at the fan-in's scale.
+scale, as the post-norm was first measured, rather than at the fan-in's scale;
+`{hybrid,hybrid4}_post_norm_attention_out`: the post-norm with the attention layers' W_out at the
+fan-in's scale too.
 
-The `*_zero_out`, `*_attn_first` and `*_residual_out` variants are not configuration options: this
-script applies them while the run trains and is scored (the config's `residual_init_scale`,
-`layer_mixers` and `mixer_out_init_scale` replaced). The others are configuration overrides
-(`embed_scale`, `gla_branch_scale`, ...); a variant of today's defaults and no patch is
-bench.retrieval's own run at that learning rate.
+The `*_zero_out`, `*_attn_first`, `*_residual_out` and `*_attention_out` variants are not
+configuration options: this script applies them while the run trains and is scored (the config's
+`residual_init_scale`, `layer_mixers` and `mixer_out_init_scale` replaced). The others are
+configuration overrides (`embed_scale`, `gla_branch_scale`, ...); a variant of today's defaults
+and no patch is bench.retrieval's own run at that learning rate.
 
 At initialisation (seed 0, no training), each hybrid variant's `identity_cosine`: over MQAR
 (64, 4) sequences, the cosine between the attention layer's input, normalised as its
@@ -112,6 +114,17 @@ VARIANTS = {
         for form, changes in BRANCH_FORMS.items()
         if "gla_branch=post_norm" in changes
     },
+    # the post-norm at s = 1 with the attention layers' W_out at the fan-in's scale too (as the
+    # GLA layers' is under it), not by the residual rule
+    **{
+        f"{layout}_post_norm_attention_out": (
+            layout,
+            1e-2,
+            BRANCH_FORMS["post_norm"],
+            "attention_out",
+        )
+        for layout in ("hybrid", "hybrid4")
+    },
     "laplace": ("gla", 3e-2, [], None),
     "laplace_sqrt_d": ("gla", 3e-2, ["embed_scale=sqrt_d_model"], None),
 }
@@ -135,6 +148,9 @@ def applied(patch: str | None):
         elif patch == "residual_out":
             residual = lambda self, mixer: self.residual_init_scale  # noqa: E731
             stack.enter_context(mock.patch.object(LaplaceConfig, "mixer_out_init_scale", residual))
+        elif patch == "attention_out":
+            fan_in = lambda self, mixer: 1.0  # noqa: E731
+            stack.enter_context(mock.patch.object(LaplaceConfig, "mixer_out_init_scale", fan_in))
         elif patch == "attn_first":
             first = property(_attention_first)
             stack.enter_context(mock.patch.object(LaplaceConfig, "layer_mixers", first))
