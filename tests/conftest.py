@@ -60,6 +60,11 @@ def pytest_collection_finish(session):
         shared_fixtures.start_early(session.items, session.config._tmp_path_factory)
 
 
+def pytest_runtest_teardown(item, nextitem):
+    """Start the jobs that wait for a test to end (shared_fixtures.start_after)."""
+    shared_fixtures.start_after(item)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """A skipped test is a failed run: every dependency the tests use is pinned and installed by
     scripts/install.sh, so a skip means a broken install or a test that cannot run, never a pass."""

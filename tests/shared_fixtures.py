@@ -14,7 +14,9 @@ of the MQAR training runs (tests/mqar_runs.py), the compiled vLLM engines
 another in the order the tests need them, start before the first test, so that their work
 (tens of seconds to minutes each) runs beside the tests that come before them, on the core those
 leave idle (a JAX compile uses one). Idle, a started server costs about 1% of a core. Only the
-jobs of the collected tests start.
+jobs of the collected tests start. The hybrid's two state-store servers
+(tests/test_state_store_hybrid.py) start later, when a given earlier test ends (`start_after`):
+with every early server up, three more engines would not fit the machine's memory.
 """
 
 from __future__ import annotations
@@ -105,10 +107,10 @@ def start_early(items, tmp_path_factory) -> None:
     if used & {"compiled_hybrid_run", "hybrid_store_server", "hybrid_replica_server"}:
         EARLY["tiny_hybrid_export"] = _export_tiny_hybrid(tmp_path_factory)
     if used & {"hybrid_store_server", "hybrid_replica_server"}:
-        EARLY["hybrid_states"] = states = tmp_path_factory.mktemp("hybrid_states")
-        folder = EARLY["tiny_hybrid_export"][2]
-        EARLY["hybrid_store_server"] = _start_hybrid_server(folder, states, replicas=1)
-        EARLY["hybrid_replica_server"] = _start_hybrid_server(folder, states, replicas=2)
+        EARLY["hybrid_states"] = tmp_path_factory.mktemp("hybrid_states")
+        # started later (`start_after`): three more engines beside every early server would
+        # not fit the machine's memory
+        LATER[HYBRID_SERVERS_AFTER] = _start_hybrid_servers
     jobs = {}
     for name in QUEUE_ORDER:  # the order of the tests that wait for them
         if name in used:
@@ -148,6 +150,25 @@ def _queued_commands(name: str, root: Path) -> list[background.Command]:
             enable_chunked_prefill=True,
         )
     return [compiled_engines.command(spec, root / "out.json", env)]
+
+
+# The hybrid store servers start when this test ends: its store servers (and test_chat.py's
+# 2-replica spaces server, earlier) are gone by then, and the hybrid's tests come a minute later.
+HYBRID_SERVERS_AFTER = "test_a_server_killed_with_sigkill_leaves_states_another_server_resumes"
+LATER: dict = {}  # test name -> what to start when it ends
+
+
+def start_after(item) -> None:
+    """Start what waits for `item` to end (tests/conftest.py calls this after each test)."""
+    start = LATER.pop(item.name, None)
+    if start is not None:
+        start()
+
+
+def _start_hybrid_servers() -> None:
+    folder, states = EARLY["tiny_hybrid_export"][2], EARLY["hybrid_states"]
+    EARLY["hybrid_store_server"] = _start_hybrid_server(folder, states, replicas=1)
+    EARLY["hybrid_replica_server"] = _start_hybrid_server(folder, states, replicas=2)
 
 
 def stop_early() -> None:
@@ -476,37 +497,34 @@ def vllm_serve_server(tiny_export):
     yield from _served("vllm_serve_server", partial(_start_vllm_serve, tiny_export[2]))
 
 
-def _start_spaces_server(folder: Path, state_dir: Path, replicas: int) -> Job:
-    """The adapter's server of `export_spaces`' model (replies are runs of spaces), its
-    conversations kept under `state_dir`: `replicas` engines of one core each, max-model-len
-    1,024, 8 sequences each, 16 MiB of pages (tests/test_chat.py)."""
+def _start_state_server(
+    folder: Path, state_dir: Path, replicas: int, name: str, max_len: int, seqs: int
+) -> Job:
+    """The adapter's server of `folder` (served as `name`), its conversations kept under
+    `state_dir`: `replicas` engines of one core each, `seqs` sequences each, 16 MiB of pages."""
     port = free_port()
     cmd = [sys.executable, "-m", "serve.vllm_adapter", "--model", str(folder), "--port", str(port)]
-    cmd += ["--max-model-len", "1024", "--max-num-seqs", "8", "--served-model-name", "spaces"]
-    cmd += ["--state-dir", str(state_dir), "--data-parallel-size", str(replicas)]
-    if replicas > 1:
-        cmd += ["--cpu-cores-per-replica", "1"]
-    log_path = folder.parent / f"spaces_server_{replicas}.log"
-    cmd, env = small_pages(cmd, {**START_ENV, **VLLM_ENV})
-    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    return Job(start_server(cmd, log_path, env, REPO), None, log_path, port)
-
-
-def _start_hybrid_server(folder: Path, state_dir: Path, replicas: int) -> Job:
-    """The adapter's server of the tiny hybrid, its conversations kept under `state_dir`:
-    `replicas` engines of one core each, max-model-len 512, 4 sequences each, 16 MiB of pages
-    (tests/test_state_store_hybrid.py)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "serve.vllm_adapter", "--model", str(folder), "--port", str(port)]
-    cmd += ["--max-model-len", str(SERVER_MAX_LEN), "--max-num-seqs", "4"]
-    cmd += ["--served-model-name", "hybrid", "--state-dir", str(state_dir)]
+    cmd += ["--max-model-len", str(max_len), "--max-num-seqs", str(seqs)]
+    cmd += ["--served-model-name", name, "--state-dir", str(state_dir)]
     cmd += ["--data-parallel-size", str(replicas)]
     if replicas > 1:
         cmd += ["--cpu-cores-per-replica", "1"]
-    log_path = folder.parent / f"hybrid_server_{replicas}.log"
+    log_path = folder.parent / f"{name}_server_{replicas}.log"
     cmd, env = small_pages(cmd, {**START_ENV, **VLLM_ENV})
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     return Job(start_server(cmd, log_path, env, REPO), None, log_path, port)
+
+
+def _start_spaces_server(folder: Path, state_dir: Path, replicas: int) -> Job:
+    """`export_spaces`' model (replies are runs of spaces), max-model-len 1,024, 8 sequences a
+    replica (tests/test_chat.py)."""
+    return _start_state_server(folder, state_dir, replicas, "spaces", 1024, 8)
+
+
+def _start_hybrid_server(folder: Path, state_dir: Path, replicas: int) -> Job:
+    """The tiny hybrid, max-model-len 512, 4 sequences a replica
+    (tests/test_state_store_hybrid.py)."""
+    return _start_state_server(folder, state_dir, replicas, "hybrid", SERVER_MAX_LEN, 4)
 
 
 @pytest.fixture(scope="session")
