@@ -138,7 +138,9 @@ def test_each_branch_form_exports_and_decodes_as_jax_computes(tmp_path, form):
             out = model(ids[:, t : t + 1], state=out.state)
             steps.append(out.logits[:, -1])
     np.testing.assert_allclose(full.numpy(), np.asarray(want), atol=2e-4, rtol=2e-4)
-    torch.testing.assert_close(torch.stack(steps, 1), full[:, 29:39])
+    # the steps and the chunked prefill add in different orders: fp32 rounding, up to 1.2e-5
+    # measured on an AMD EPYC (1e-5, torch's default, failed there)
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, 29:39], atol=1e-4, rtol=1e-4)
     # the form is carried (a model without it differs)
     plain, _ = LaplaceLM(tiny_config().replace(attention_every=2)).apply(
         {"params": random_params(tiny_config().replace(attention_every=2), seed=5, noise=0.3)},
