@@ -35,6 +35,13 @@ def vllm_settings(cfg: LaplaceConfig, dtype: str) -> dict:
     return settings
 
 
+def kv_block_bytes(cfg: LaplaceConfig, block: int, kv_bytes: int) -> int:
+    """One attention layer's keys and values for `block` tokens on vLLM's paged KV cache (every
+    head at `kv_page_head_size`, `kv_bytes` each): a hybrid's chunk, to which vLLM pads each
+    layer's state page (docs/design.md s13.4)."""
+    return block * 2 * cfg.n_heads * cfg.kv_page_head_size * kv_bytes
+
+
 def served_block_size(cfg: LaplaceConfig, kv_bytes: int) -> int:
     """Tokens per KV block and per stored state boundary of `cfg` served with prefix caching on
     vLLM's CPU backend: PREFIX_BLOCK_SIZE for pure Laplace; for a hybrid, vLLM's raised block,
@@ -45,8 +52,7 @@ def served_block_size(cfg: LaplaceConfig, kv_bytes: int) -> int:
     if not cfg.attention_every:
         return PREFIX_BLOCK_SIZE
     page = (math.prod(cfg.gla_state_shape) + cfg.page_conv_window * cfg.d_model) * 4
-    per_token = 2 * cfg.n_heads * cfg.kv_page_head_size * kv_bytes
-    return PREFIX_BLOCK_SIZE * math.ceil(page / (PREFIX_BLOCK_SIZE * per_token))
+    return PREFIX_BLOCK_SIZE * math.ceil(page / kv_block_bytes(cfg, PREFIX_BLOCK_SIZE, kv_bytes))
 
 
 def write_settings(folder: Path, settings: dict) -> Path:

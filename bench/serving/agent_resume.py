@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from laplace_spec.vllm_settings import served_block_size
+from laplace_spec.vllm_settings import PREFIX_BLOCK_SIZE, kv_block_bytes, served_block_size
 from serve.state_store import files
 
 REPO = Path(__file__).resolve().parents[2]
@@ -153,7 +153,7 @@ def formula_bytes(cfg, block: int, kv_bytes: int, ends: list[int], n_blocks: int
     (state pages padded to it in a hybrid; pure Laplace: one state of every layer)."""
     if not cfg.attention_every:
         return len(ends) * (64 + 32 + cfg.page_bytes_per_sequence())
-    page = block * 2 * cfg.n_heads * cfg.kv_page_head_size * kv_bytes
+    page = kv_block_bytes(cfg, block, kv_bytes)
     blocks = cfg.n_attention_layers * n_blocks * (64 + 36 + page)
     needs = [cfg.n_attention_layers * (end // block) * 36 for end in ends]
     return blocks + sum(64 + 32 + n + cfg.n_layers * page for n in needs)
@@ -229,15 +229,15 @@ def run_agent_resume(
         if replica:
             out["replica"] = _replica_handover(cfg, sz, model_dir, max_len, root, log, rng)
         if cfg.attention_every:
-            out["shared_prompt"] = _shared_prompt(cfg, sz, model_dir, max_len, Path(tmp), rng)
+            shared = _shared_prompt(cfg, sz, model_dir, max_len, BLOCK, Path(tmp), rng)
+            out["shared_prompt"] = shared
     return out
 
 
-def _shared_prompt(cfg, sz, model_dir, max_len, tmp: Path, rng) -> dict:
+def _shared_prompt(cfg, sz, model_dir, max_len, BLOCK: int, tmp: Path, rng) -> dict:
     """`shared_n` conversations opening with one `shared_prompt`-token system prompt, one turn
     each, on one server with a folder of its own: the bytes on disk, and the blocks among them
     that the shared prompt's full blocks take (once)."""
-    BLOCK = served_block_size(cfg, 4)
     root, log = tmp / "shared_states", tmp / "shared.log"
     system = rng.integers(3, cfg.vocab_size, sz.shared_prompt).tolist()
     server = _Server(model_dir, max_len, root, log)
@@ -277,5 +277,5 @@ def _replica_handover(cfg, sz, model_dir, max_len, root, log, rng) -> dict:
         _, _, cached = server.ask(prompt2, 1, rank=1)
     finally:
         server.stop()
-    want = (len(prompt1) + len(reply) - 1) // 32 * 32  # pure Laplace's block
+    want = (len(prompt1) + len(reply) - 1) // PREFIX_BLOCK_SIZE * PREFIX_BLOCK_SIZE
     return {"history": history, "cached_tokens": cached, "expected": want, "hit": cached == want}

@@ -31,6 +31,7 @@ from bench.serving.models import export_laplace, llama_kv_bytes_per_token, make_
 from bench.serving.phases import shared_budget_run
 from bench.serving.sizes import Sizes
 from laplace_spec.config import FP32_BYTES, LaplaceConfig
+from laplace_spec.vllm_settings import kv_block_bytes
 
 
 def hybrid_models(cfg: LaplaceConfig, sz: Sizes, tmp: Path, max_len: int) -> dict[str, Path]:
@@ -49,7 +50,7 @@ def computed_bytes(cfg: LaplaceConfig, block: int, n_tokens: int) -> dict[str, i
     `kv_page_head_size` in every head; `unpadded`, the same state and keys without vLLM's
     padding (a GLA layer's state page, an attention layer's conv window and H (d_k + d_v)
     values a token)."""
-    block_bytes = block * 2 * cfg.n_heads * cfg.kv_page_head_size * FP32_BYTES
+    block_bytes = kv_block_bytes(cfg, block, FP32_BYTES)
     blocks = cfg.n_layers + cfg.n_attention_layers * math.ceil(n_tokens / block)
     window = cfg.page_conv_window * cfg.d_model * FP32_BYTES
     unpadded = (

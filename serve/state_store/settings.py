@@ -21,6 +21,8 @@ import os
 import shutil
 from pathlib import Path
 
+from laplace_spec.vllm_settings import kv_block_bytes
+
 MIN_PRIMARY_STATES = 16  # the host-memory tier holds a state per running sequence, at least this
 DEFAULT_CAPACITY = 16 * 2**30  # bytes on disk, or half the free space when that is less
 
@@ -77,7 +79,7 @@ def primary_bytes(cfg, max_num_seqs: int, max_model_len: int, block: int, kv_byt
     seqs = max(MIN_PRIMARY_STATES, max_num_seqs)
     if not cfg.attention_every:
         return seqs * (cfg.page_bytes_per_sequence() + pad)
-    chunk = block * 2 * cfg.n_heads * cfg.kv_page_head_size * kv_bytes + pad
+    chunk = kv_block_bytes(cfg, block, kv_bytes) + pad
     history = cfg.n_attention_layers * math.ceil(max_model_len / block) * chunk
     return history + seqs * (cfg.n_layers + cfg.n_attention_layers) * chunk
 

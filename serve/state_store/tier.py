@@ -174,10 +174,16 @@ class StateFileTier(SecondaryTierManager):
                 needs = files.read_needs(bundle, self.fingerprint)
             except (OSError, files.StateFileError):
                 needs = b""
-            width = len(bundle.stem) // 2 + 4  # a block hash, then the group index
-            keys = (needs[i : i + width] for i in range(0, len(needs), width))
-            self._needs[bundle] = frozenset(files.block_path(self.root, k) for k in keys)
+            self._needs[bundle] = frozenset(self._block_paths(needs, len(bundle.stem) // 2))
         return self._needs[bundle]
+
+    def _block_paths(self, needs: bytes, hash_bytes: int) -> list[Path]:
+        """The block files a bundle's list of needed keys names (each key: a block hash of
+        `hash_bytes`, then the group index)."""
+        width = hash_bytes + 4
+        return [
+            files.block_path(self.root, needs[i : i + width]) for i in range(0, len(needs), width)
+        ]
 
     def _evict(self) -> None:
         """Least recently used bundles go, each with the blocks no other bundle needs, until the
@@ -254,10 +260,9 @@ class StateFileTier(SecondaryTierManager):
             if group in self.attention:
                 if end is not None:
                     req.blocks[(end, group)] = key
-                if self._storing and not files.block_path(self.root, key).is_file():
-                    self._submit_write(
-                        self._write, files.block_path(self.root, key), key, bytes(self._row(chunk))
-                    )
+                path = files.block_path(self.root, key)
+                if self._storing and not path.is_file():
+                    self._submit_write(self._write, path, key, bytes(self._row(chunk)))
             elif end is not None:
                 req.states.setdefault(end, {})[group] = bytes(self._row(chunk))
                 req.hashes[end] = get_offload_block_hash(key)
@@ -313,10 +318,7 @@ class StateFileTier(SecondaryTierManager):
             return
         if not self._storing:
             return
-        width = len(key) + 4
-        blocks = [
-            files.block_path(self.root, needs[i : i + width]) for i in range(0, len(needs), width)
-        ]
+        blocks = self._block_paths(needs, len(key))
         if not all(b.is_file() for b in blocks):  # a block's write failed or was evicted
             return
         try:
@@ -329,7 +331,8 @@ class StateFileTier(SecondaryTierManager):
             return
         with self._lock:
             self._files[path] = (size, time.time())
-            self._needs[path] = frozenset(blocks) if path.suffix == files.SUFFIX else frozenset()
+            if path.suffix == files.SUFFIX:
+                self._needs[path] = frozenset(blocks)
             over = sum(b for b, _ in self._files.values()) > self.capacity
         if over:
             self._evict()
